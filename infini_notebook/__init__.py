@@ -1,0 +1,42 @@
+"""infini_notebook: interactive multi-GPU (or CPU) torch.distributed sessions in Jupyter.
+
+    %load_ext infini_notebook
+    %dist_start --nprocs 4
+    %%dist
+    ...
+
+or, without IPython: ``session = infini_notebook.start(nprocs=4); session.run("...")``.
+Importing this package stays light (no torch): engines import it too.
+"""
+
+from .errors import DistCellError, DistUsageError
+
+__all__ = ["DistCellError", "DistUsageError", "start", "current", "load_ipython_extension"]
+
+
+def start(**options):
+    """Start a session (see ``%dist_start?`` for the options)."""
+    from .cluster import start as _start
+
+    return _start(**options)
+
+
+def current():
+    """The running session, or None."""
+    from .cluster import current as _current
+
+    return _current()
+
+
+def load_ipython_extension(ipython) -> None:
+    from .magics import DistMagics
+
+    ipython.register_magics(DistMagics)
+
+
+def __getattr__(name):  # lazy: ParallelLayout without importing torch.distributed
+    if name == "ParallelLayout":
+        from .groups import ParallelLayout
+
+        return ParallelLayout
+    raise AttributeError(name)

@@ -1,0 +1,570 @@
+"""The kernel-side session: plan, store, engines, run, signal, restart, stop, state.
+
+One :class:`Session` owns everything it starts: a TCPStore server hosted in this process
+(the agent store: it outlives any rank), an ipyparallel controller and one engine per rank
+(engine id == global rank). Nothing here renders widgets; ``viz`` reads ``status()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from . import engine
+from .errors import DistCellError, DistUsageError
+from .output import StreamLabeler, error_report, error_summary
+from .plan import SessionPlan, make_plan
+from .ranks import parse_ranks, rank_label
+
+log = logging.getLogger("infini_notebook")
+
+_current: Session | None = None
+
+
+@dataclass
+class CellResult:
+    """Everything one ``run`` produced, per rank (kept whole, even when display was capped)."""
+
+    ranks: list[int]
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    results: dict[int, Any] = field(default_factory=dict)  # last expression's data, if any
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
+    elapsed: float = 0.0
+
+
+@dataclass
+class RankState:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    device_name: str
+    state: str  # idle, busy, error, dead
+    coords: dict = field(default_factory=dict)
+    memory_used: int | None = None
+    exit_code: int | None = None
+
+
+def current() -> Session | None:
+    """The running session, if any."""
+    return _current if _current is not None and _current.running else None
+
+
+def start(**options) -> Session:
+    """Start a session; options as ``%dist_start`` takes them (``nprocs=4``, ``gpus=8``,
+    ``tp=2`` ...). Raises DistUsageError before starting anything when an option is wrong."""
+    global _current
+    if current() is not None:
+        raise DistUsageError(
+            f"A session with {_current.plan.world_size} ranks is already running. "
+            "Stop it first with %dist_stop (or session.stop())."
+        )
+    plan = plan_from_options(**options)
+    session = Session(plan)
+    session.start()
+    _current = session
+    return session
+
+
+def plan_from_options(
+    *, tp=None, cp=None, pp=None, dp=None, order=None, zero1=None, **options
+) -> SessionPlan:
+    layout = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "order": order, "zero1": zero1}
+    return make_plan(visible_gpus=visible_cuda_devices(), layout=layout, **options)
+
+
+def visible_cuda_devices() -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries of the GPUs this process may use, one per GPU."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        return [x.strip() for x in env.split(",") if x.strip()][:n]
+    return [str(i) for i in range(n)]
+
+
+class Session:
+    def __init__(self, plan: SessionPlan):
+        self.plan = plan
+        self.attempt = 0
+        self.ranks: list[RankState] = []
+        self.last: CellResult | None = None
+        self.running = False
+        self._busy: set[int] = set()
+        self._errored: set[int] = set()
+        self._pids: dict[int, psutil.Process] = {}
+        self._store = None
+        self._cluster = None
+        self._client = None
+        self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
+        self._lock = threading.Lock()
+
+    # ----- start / stop -------------------------------------------------------------------
+    def start(self, progress: bool | None = None) -> Session:
+        t0 = time.perf_counter()
+        try:
+            self._start_store()
+            self._start_engines(progress)
+            self._bootstrap()
+        except BaseException:
+            self.stop()
+            raise
+        self.running = True
+        atexit.register(self.stop)
+        log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def layout(self):
+        """The session's ParallelLayout (tp/cp/pp/dp sizes and order)."""
+        from .groups import ParallelLayout
+
+        return ParallelLayout(**self.plan.layout)
+
+    def _start_store(self) -> None:
+        import torch.distributed as dist
+
+        method = self.plan.init_method
+        host = method.host if method.kind == "tcp" else self.plan.bind_address
+        port = method.port if method.kind == "tcp" else 0
+        try:
+            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+        except Exception as e:  # port taken, address not ours
+            raise DistUsageError(
+                f"Cannot host the rendezvous store on {host}:{port} ({e}). "
+                "Pick a free port, or use the default env:// init method."
+            ) from None
+
+    def _start_engines(self, progress: bool | None) -> None:
+        import ipyparallel as ipp
+
+        self._cluster = ipp.Cluster(
+            n=self.world_size,
+            profile_dir=os.path.join(self._workdir, "profile"),
+            controller_ip=self.plan.bind_address,
+            delay=0,  # engines wait for the controller's connection info anyway
+            log_level=logging.WARNING,
+            shutdown_atexit=True,
+        )
+        self._cluster.start_controller_sync()
+        self._cluster.start_engines_sync(
+            self.world_size, environment={"OMP_NUM_THREADS": str(self.plan.threads_per_rank)}
+        )
+        self._client = self._cluster.connect_client_sync()
+        self._client.wait_for_engines(self.world_size, timeout=120, interactive=progress)
+        ids = sorted(self._client.ids)
+        if ids != list(range(self.world_size)):
+            raise RuntimeError(f"engine ids {ids} are not 0..{self.world_size - 1}")
+
+    def _engine_config(self, rank: int) -> dict:
+        kernel = psutil.Process()
+        method = self.plan.init_method
+        store = {"kind": method.kind, "host": self._store.host, "port": self._store.port}
+        if method.kind == "file":
+            store = {"kind": "file", "path": method.path}
+        return {
+            "rank": rank,
+            "local_rank": rank,
+            "world_size": self.world_size,
+            "local_world_size": self.world_size,
+            "group_rank": 0,
+            "master_addr": self._store.host,
+            "master_port": self._store.port,
+            "backend": self.plan.backend,
+            "timeout": self.plan.timeout,
+            "gpu": self.plan.gpus[rank] if self.plan.gpus else None,
+            "threads": self.plan.threads_per_rank,
+            "store": store,
+            "attempt": self.attempt,
+            "layout": self.plan.layout,
+            "kernel_pid": kernel.pid,
+            "kernel_start": kernel.create_time(),
+            "stack_file": self._stack_file(rank),
+        }
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._workdir, f"stacks-rank{rank}.txt")
+
+    def _bootstrap(self) -> None:
+        pending = {
+            r: self._client[r].apply_async(engine.bootstrap, self._engine_config(r))
+            for r in range(self.world_size)
+        }
+        infos = self._gather(pending, what="start")
+        self._record_ranks(infos)
+
+    def _record_ranks(self, infos: dict[int, dict]) -> None:
+        from .groups import ParallelLayout
+
+        layout = ParallelLayout(**self.plan.layout)
+        self.ranks = []
+        for r in range(self.world_size):
+            info = infos[r]
+            self._pids[r] = psutil.Process(info["pid"])
+            self.ranks.append(
+                RankState(
+                    rank=r,
+                    pid=info["pid"],
+                    host=info["host"],
+                    device=info["device"],
+                    device_name=info["device_name"],
+                    memory_used=info["memory_used"],
+                    state="idle",
+                    coords=layout.coords(r),
+                )
+            )
+
+    def _gather(self, pending: dict, what: str, timeout: float | None = None) -> dict:
+        """Wait for one apply per rank; raise DistCellError naming the ranks that failed."""
+        deadline = time.monotonic() + (timeout or self.plan.timeout + 60)
+        out, errors, tracebacks = {}, {}, {}
+        for r, ar in pending.items():
+            try:
+                out[r] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:
+                errors[r] = _one_line(e)
+                tracebacks[r] = _remote_traceback(e)
+        if errors:
+            raise DistCellError(
+                f"{what} failed on {error_summary(errors, list(pending))}",
+                error_report(tracebacks),
+                sorted(errors),
+            )
+        return out
+
+    def stop(self) -> None:
+        """End everything this session started: engines, controller, store. Idempotent."""
+        global _current
+        self.running = False
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+        if self._cluster is not None:
+            try:
+                self._cluster.stop_cluster_sync()
+            except Exception as e:
+                log.warning("stopping the cluster: %s", e)
+            self._kill_leftovers()
+            self._cluster = None
+        self._store = None  # the TCPStore server closes with its last reference
+        shutil.rmtree(self._workdir, ignore_errors=True)
+        if self.plan.init_method.kind == "file":
+            _remove_quietly(self.plan.init_method.path)
+        if _current is self:
+            _current = None
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+
+    def _kill_leftovers(self) -> None:
+        """Engines the launcher could not stop: only the pids we recorded, checked by start
+        time, so a recycled pid is never touched."""
+        for proc in self._pids.values():
+            try:
+                if proc.is_running():
+                    proc.kill()
+                    proc.wait(5)
+            except psutil.Error:
+                pass
+
+    # ----- running code -------------------------------------------------------------------
+    def run(
+        self,
+        code: str,
+        ranks: str | list[int] | None = None,
+        *,
+        collapse: bool = False,
+        max_lines: int | None = None,
+        echo: bool = True,
+    ) -> CellResult:
+        """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives.
+        Raises DistCellError (labeled tracebacks) when any rank raised."""
+        self._require_running()
+        targets = parse_ranks(ranks, self.world_size)
+        labeler = StreamLabeler(collapse=collapse)
+        if max_lines:
+            labeler.max_lines = max_lines
+        printer = _Printer(echo)
+        shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
+        t0 = time.perf_counter()
+        ar = self._client[targets].execute(code, silent=False, block=False)
+        self._set_busy(targets)
+        try:
+            self._follow(ar, targets, labeler, printer, shown)
+        except KeyboardInterrupt:
+            self._interrupt(ar, targets)
+            raise
+        finally:
+            self._set_busy([])
+        result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
+        self.last = result
+        if result.errors:
+            self._errored = set(result.errors)
+            raise DistCellError(
+                error_summary(result.errors, targets), self._last_tracebacks, sorted(result.errors)
+            )
+        self._errored -= set(targets)
+        return result
+
+    def _follow(self, ar, targets, labeler, printer, shown) -> None:
+        """Stream output while the cell runs; notice ranks that die."""
+        last_check = time.monotonic()
+        while not ar.ready():
+            ar.wait(0.05)
+            self._show_progress(ar, targets, labeler, printer, shown, final=False)
+            if time.monotonic() - last_check > 0.5:
+                last_check = time.monotonic()
+                dead = self._dead_ranks(targets)
+                if dead:
+                    self._fail_dead(ar, targets, dead)
+
+    def _show_progress(self, ar, targets, labeler, printer, shown, final) -> None:
+        mds = _metadata_list(ar)
+        printer.out(labeler.feed("stdout", {r: md["stdout"] for r, md in zip(targets, mds)}, final))
+        printer.err(labeler.feed("stderr", {r: md["stderr"] for r, md in zip(targets, mds)}, final))
+        for r, md in zip(targets, mds):
+            for output in md["outputs"][shown[r] :]:
+                printer.display(rank_label([r]), output)
+            shown[r] = len(md["outputs"])
+
+    def _collect(self, ar, targets, labeler, printer, shown, elapsed) -> CellResult:
+        try:
+            ar.wait_for_output(timeout=2)
+        except Exception:
+            pass
+        mds = _metadata_list(ar)
+        self._show_progress(ar, targets, labeler, printer, shown, final=True)
+        result = CellResult(ranks=targets, elapsed=elapsed)
+        tracebacks = {}
+        replies = ar.get(return_exceptions=True)
+        for r, md, reply in zip(targets, mds, replies):
+            result.stdout[r] = md["stdout"]
+            result.stderr[r] = md["stderr"]
+            if isinstance(reply, BaseException):
+                result.errors[r] = _one_line(reply)
+                tracebacks[r] = _remote_traceback(reply)
+            elif md.get("execute_result"):
+                data = md["execute_result"].get("data", {})
+                result.results[r] = data
+                printer.display(rank_label([r]), {"data": data, "metadata": {}})
+        self._last_tracebacks = error_report(tracebacks)
+        return result
+
+    def _interrupt(self, ar, targets) -> None:
+        """Stop button: SIGINT every running rank, escalate for ranks that ignore it."""
+        self.signal(signal.SIGINT, targets)
+        ar.wait(3)
+        if not ar.ready():
+            stuck = [r for r in targets if not _done(ar, targets, r)]
+            print(
+                f"{rank_label(stuck)} did not stop on SIGINT (stuck in native code, e.g. a "
+                "collective). Their process group may be broken: run %dist_restart, or "
+                "%dist_restart --hard to restart the engines.",
+                file=sys.stderr,
+            )
+
+    def _fail_dead(self, ar, targets, dead: dict[int, str]) -> None:
+        alive = [r for r in targets if r not in dead]
+        self.signal(signal.SIGINT, alive)  # don't leave survivors waiting on the dead
+        for r in dead:
+            self._errored.add(r)
+        summary = "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
+        raise DistCellError(
+            f"{summary}. The other ranks were interrupted. "
+            "Run %dist_restart --hard to bring the session back (variables are lost).",
+            ranks=sorted(dead),
+        )
+
+    def _dead_ranks(self, targets) -> dict[int, str]:
+        dead = {}
+        for r in targets:
+            proc = self._pids.get(r)
+            if proc is None:
+                continue
+            if not _alive(proc):
+                dead[r] = _exit_description(self._exit_code(proc))
+        return dead
+
+    def _exit_code(self, proc: psutil.Process) -> int | None:
+        """The engine's exit status, as its ipyparallel launcher saw it (it reaps the child)."""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            for engine_set in (self._cluster.engines if self._cluster else {}).values():
+                for launcher in getattr(engine_set, "launchers", {}).values():
+                    if getattr(launcher, "pid", None) == proc.pid and launcher.stop_data:
+                        return launcher.stop_data.get("exit_code")
+            time.sleep(0.05)
+        return None
+
+    def signal(self, signum: int, ranks: list[int] | None = None) -> None:
+        """Send ``signum`` to the engines of ``ranks`` (pids this session started)."""
+        for r in ranks if ranks is not None else range(self.world_size):
+            proc = self._pids.get(r)
+            try:
+                if proc is not None and proc.is_running():
+                    proc.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    def _set_busy(self, ranks) -> None:
+        with self._lock:
+            self._busy = set(ranks)
+
+    # ----- data in and out ----------------------------------------------------------------
+    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a namespace variable, tensors moved to CPU."""
+        self._require_running()
+        targets = parse_ranks(ranks, self.world_size)
+        pending = {r: self._client[r].apply_async(engine.pull_value, name) for r in targets}
+        return self._gather(pending, what=f"pull {name!r}", timeout=60)
+
+    def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
+        """Set variables in the ranks' namespaces."""
+        self._require_running()
+        targets = parse_ranks(ranks, self.world_size)
+        pending = {r: self._client[r].apply_async(engine.push_values, values) for r in targets}
+        self._gather(pending, what="push", timeout=60)
+
+    # ----- state --------------------------------------------------------------------------
+    def status(self) -> list[RankState]:
+        """Each rank's pid, device and state (idle, busy, error, dead)."""
+        with self._lock:
+            busy = set(self._busy)
+        for rs in self.ranks:
+            proc = self._pids.get(rs.rank)
+            if proc is None or not self.running:
+                rs.state = "dead" if self.running else "stopped"
+            elif not _alive(proc):
+                rs.state = "dead"
+                rs.exit_code = self._exit_code(proc)
+            elif rs.rank in busy:
+                rs.state = "busy"
+            elif rs.rank in self._errored:
+                rs.state = "error"
+            else:
+                rs.state = "idle"
+        return list(self.ranks)
+
+    def status_text(self) -> str:
+        rows = [f"{'rank':>4}  {'pid':>7}  {'device':<10} {'state':<6} coords"]
+        for rs in self.status():
+            coords = " ".join(f"{k}={v}" for k, v in rs.coords.items())
+            rows.append(f"{rs.rank:>4}  {rs.pid:>7}  {rs.device:<10} {rs.state:<6} {coords}")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return (
+            f"<infini_notebook.Session {state}: {self.world_size} ranks, "
+            f"backend {self.plan.backend}, init {self.plan.init_method.url}>"
+        )
+
+    def _require_running(self) -> None:
+        if not self.running:
+            raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+
+
+class _Printer:
+    """Where labeled output goes: the cell's streams and IPython's display publisher."""
+
+    def __init__(self, echo: bool):
+        self.echo = echo
+
+    def out(self, text: str) -> None:
+        if self.echo and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def err(self, text: str) -> None:
+        if self.echo and text:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    def display(self, label: str, output: dict) -> None:
+        if not self.echo:
+            return
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        data = output.get("data", {})
+        if ip is None or getattr(ip, "display_pub", None) is None:
+            self.out(f"{label} {data.get('text/plain', '')}\n")
+            return
+        self.out(f"{label}\n")
+        ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})
+
+
+def _metadata_list(ar) -> list[dict]:
+    md = ar.metadata
+    return md if isinstance(md, list) else [md]
+
+
+def _done(ar, targets, rank) -> bool:
+    md = _metadata_list(ar)[targets.index(rank)]
+    return md.get("status") is not None or md.get("completed") is not None
+
+
+def _one_line(e: BaseException) -> str:
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = getattr(e, "evalue", str(e))
+    first = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
+    return f"{ename}: {first}" if first else ename
+
+
+def _remote_traceback(e: BaseException) -> str:
+    tb = getattr(e, "traceback", None)
+    if isinstance(tb, str) and tb.strip():
+        return tb
+    render = getattr(e, "render_traceback", None)
+    if render is not None:
+        try:
+            return "\n".join(render())
+        except Exception:
+            pass
+    return _one_line(e)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,142 @@
+"""IPython magics: parse flags, call the public API, turn errors into one clear message.
+
+Every magic is a thin layer over ``infini_notebook.cluster`` (and friends), so scripts and
+tests can do without IPython whatever a notebook does.
+"""
+
+from __future__ import annotations
+
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import cluster
+from .errors import DistUsageError
+
+
+def _session() -> cluster.Session:
+    session = cluster.current()
+    if session is None:
+        raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+    return session
+
+
+def parse_where(text: str) -> dict[str, int]:
+    """``pp=0,tp=1`` -> ``{"pp": 0, "tp": 1}``."""
+    coords = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise DistUsageError(f"Bad --where {text!r}: use coordinates like pp=0 or tp=1,dp=0.")
+        coords[key] = int(value)
+    if not coords:
+        raise DistUsageError("--where needs at least one coordinate, like pp=0.")
+    return coords
+
+
+@magics_class
+class DistMagics(Magics):
+    @magic_arguments()
+    @argument("--gpus", type=int, help="one rank per GPU (nccl); each sees only its GPU")
+    @argument("--nprocs", type=int, help="number of CPU ranks (gloo)")
+    @argument("--backend", default="auto", help="auto (default), nccl or gloo")
+    @argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    @argument(
+        "--init-method",
+        default="env://",
+        help="env:// (default), tcp://HOST:PORT or file:///PATH",
+    )
+    @argument("--tp", type=int, help="tensor-parallel size")
+    @argument("--cp", type=int, help="context-parallel size")
+    @argument("--pp", type=int, help="pipeline-parallel size")
+    @argument("--dp", type=int, help="data-parallel size (default: the rest)")
+    @argument("--order", help="dims fastest first, default tp-cp-dp-pp (Megatron)")
+    @argument("--zero1", type=int, help="ZeRO-1 shard group size inside each dp group")
+    @argument(
+        "--bind-address",
+        default="127.0.0.1",
+        help="address the store and controller listen on (default loopback)",
+    )
+    @line_magic
+    def dist_start(self, line: str):
+        """Start one engine per rank with torch.distributed initialised on each.
+
+        Every rank's namespace then holds torch, dist, rank, world_size, local_rank, device,
+        groups, mesh and layout. Example: %dist_start --nprocs 4 --tp 2
+        """
+        args = parse_argstring(self.dist_start, line)
+        session = cluster.start(
+            gpus=args.gpus,
+            nprocs=args.nprocs,
+            backend=args.backend,
+            timeout=args.timeout,
+            init_method=args.init_method,
+            tp=args.tp,
+            cp=args.cp,
+            pp=args.pp,
+            dp=args.dp,
+            order=args.order,
+            zero1=args.zero1,
+            bind_address=args.bind_address,
+        )
+        self.shell.user_ns["dist_session"] = session
+        print(f"{session.world_size} ranks ready ({session.plan.backend}). Use %%dist to run code.")
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")
+    @argument("--where", default=None, help="ranks at these layout coordinates: pp=0,tp=1")
+    @argument("--collapse", action="store_true", help="show identical output once for many ranks")
+    @argument("--max-lines", type=int, default=None, help="cap on lines shown per rank")
+    @cell_magic
+    def dist(self, line: str, cell: str):
+        """Run the cell on every rank (or a subset) at once; output is labeled [rank N].
+
+        If any rank raises, the cell fails with each rank's traceback labeled.
+        """
+        args = parse_argstring(self.dist, line)
+        session = _session()
+        ranks = args.ranks
+        if args.where:
+            if args.ranks:
+                raise DistUsageError("Give --ranks or --where, not both.")
+            ranks = session.layout.ranks_where(**parse_where(args.where))
+        session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
+
+    @line_magic
+    def dist_stop(self, line: str):
+        """Stop the session: engines, controller and store."""
+        session = cluster.current()
+        if session is None:
+            print("No session is running.")
+            return
+        session.stop()
+        self.shell.user_ns.pop("dist_session", None)
+        print("Session stopped.")
+
+    @line_magic
+    def dist_status(self, line: str):
+        """Each rank's pid, device and state (idle, busy, error, dead)."""
+        print(_session().status_text())
+
+    @magic_arguments()
+    @argument("name", help="variable to bring back from the ranks")
+    @argument("--ranks", "-r", default=None, help="ranks to pull from (default all)")
+    @argument("-o", "--out", default=None, help="notebook variable to store in (default NAME)")
+    @line_magic
+    def dist_pull(self, line: str):
+        """Bring NAME from the ranks into the notebook as {rank: value}; tensors come as CPU."""
+        args = parse_argstring(self.dist_pull, line)
+        values = _session().pull(args.name, args.ranks)
+        target = args.out or args.name
+        self.shell.user_ns[target] = values
+        print(f"{target} = {{rank: value}} for ranks {sorted(values)}")
+
+    @magic_arguments()
+    @argument("name", help="notebook variable to send to the ranks")
+    @argument("--ranks", "-r", default=None, help="ranks to push to (default all)")
+    @line_magic
+    def dist_push(self, line: str):
+        """Send a notebook variable to the ranks under the same name."""
+        args = parse_argstring(self.dist_push, line)
+        if args.name not in self.shell.user_ns:
+            raise DistUsageError(f"{args.name!r} is not defined in the notebook.")
+        _session().push({args.name: self.shell.user_ns[args.name]}, args.ranks)

@@ -1,0 +1,105 @@
+"""Turn what the ranks print into labeled notebook output. Pure: text in, text out.
+
+Ranks' stdout/stderr arrive as ever-growing strings (ipyparallel keeps the whole stream in
+each result's metadata). :class:`StreamLabeler` remembers how much of each it has shown and
+hands back only new, complete lines, each prefixed with its rank, capped per rank so that a
+rank printing a million lines cannot freeze the notebook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ranks import rank_label
+
+DEFAULT_MAX_LINES = 2000
+
+
+@dataclass
+class StreamLabeler:
+    """Incremental, per-rank line labeling for one cell."""
+
+    collapse: bool = False  # show identical chunks from several ranks once
+    max_lines: int = DEFAULT_MAX_LINES  # per rank and stream, per cell
+    _consumed: dict = field(default_factory=dict)  # (rank, stream) -> chars consumed
+    _partial: dict = field(default_factory=dict)  # (rank, stream) -> unfinished line
+    _lines: dict = field(default_factory=dict)  # (rank, stream) -> lines shown
+    capped: set = field(default_factory=set)  # (rank, stream) that hit max_lines
+
+    def feed(self, stream: str, texts: dict[int, str], final: bool = False) -> str:
+        """Given each rank's whole stream so far, return the labeled text not shown yet.
+
+        ``final`` flushes unfinished last lines (the cell is over)."""
+        fresh: dict[int, str] = {}
+        for rank in sorted(texts):
+            key = (rank, stream)
+            text = texts[rank] or ""
+            new = self._partial.get(key, "") + text[self._consumed.get(key, 0) :]
+            self._consumed[key] = len(text)
+            if final:
+                complete, rest = new, ""
+            else:
+                cut = new.rfind("\n") + 1
+                complete, rest = new[:cut], new[cut:]
+            self._partial[key] = rest
+            complete = self._cap(key, complete)
+            if complete:
+                fresh[rank] = complete
+        return self._label(fresh)
+
+    def _cap(self, key: tuple, text: str) -> str:
+        if not text or key in self.capped:
+            return ""
+        lines = text.splitlines(keepends=True)
+        shown = self._lines.get(key, 0)
+        room = self.max_lines - shown
+        if len(lines) <= room:
+            self._lines[key] = shown + len(lines)
+            return text
+        self.capped.add(key)
+        self._lines[key] = self.max_lines
+        rank, stream = key
+        kept = "".join(lines[:room])
+        if kept and not kept.endswith("\n"):
+            kept += "\n"
+        return kept + (
+            f"... {stream} capped at {self.max_lines} lines for this cell; the whole text is "
+            f"in session.last.{stream}[{rank}] (raise the cap with %%dist --max-lines N)\n"
+        )
+
+    def _label(self, fresh: dict[int, str]) -> str:
+        if not fresh:
+            return ""
+        groups = group_identical(fresh) if self.collapse else [([r], t) for r, t in fresh.items()]
+        return "".join(prefix_lines(rank_label(ranks), text) for ranks, text in groups)
+
+
+def prefix_lines(label: str, text: str) -> str:
+    """Prefix every line of ``text`` with ``label``; the result ends with a newline."""
+    lines = text.splitlines() or [""]
+    return "".join(f"{label} {line}\n" for line in lines)
+
+
+def group_identical(by_rank: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Group ranks whose text is identical, ordered by the lowest rank of each group."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(by_rank):
+        groups.setdefault(by_rank[rank], []).append(rank)
+    return sorted(((ranks, text) for text, ranks in groups.items()), key=lambda g: g[0][0])
+
+
+def error_report(tracebacks: dict[int, str]) -> str:
+    """Labeled tracebacks; identical ones are shown once with all their ranks."""
+    parts = []
+    for ranks, text in group_identical(tracebacks):
+        parts.append(f"{rank_label(ranks)} {text.rstrip()}\n")
+    return "".join(parts)
+
+
+def error_summary(errors: dict[int, str], all_ranks: list[int]) -> str:
+    """One line: which ranks failed with what, and which did not."""
+    by_error = group_identical(errors)
+    what = "; ".join(f"{rank_label(r)[1:-1]}: {e}" for r, e in by_error)
+    ok = [r for r in all_ranks if r not in errors]
+    tail = f" ({rank_label(ok)[1:-1]} finished)" if ok else ""
+    return f"{what}{tail}"
