@@ -435,19 +435,29 @@ class Session:
             self._busy = set(ranks)
 
     # ----- data in and out ----------------------------------------------------------------
-    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
-        """``{rank: value}`` of a namespace variable, tensors moved to CPU."""
+    def apply(
+        self, fn, *args, ranks: str | list[int] | None = None, timeout: float | None = None
+    ) -> dict[int, Any]:
+        """Call an importable function on ``ranks`` at once; ``{rank: return value}``.
+
+        The function runs in the engine process; ``engine.user_namespace()`` reaches the
+        ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         self._require_running()
         targets = parse_ranks(ranks, self.world_size)
-        pending = {r: self._client[r].apply_async(engine.pull_value, name) for r in targets}
-        return self._gather(pending, what=f"pull {name!r}", timeout=60)
+        pending = {r: self._client[r].apply_async(fn, *args) for r in targets}
+        self._set_busy(targets)
+        try:
+            return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
+        finally:
+            self._set_busy([])
+
+    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a namespace variable, tensors moved to CPU."""
+        return self.apply(engine.pull_value, name, ranks=ranks, timeout=60)
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
-        self._require_running()
-        targets = parse_ranks(ranks, self.world_size)
-        pending = {r: self._client[r].apply_async(engine.push_values, values) for r in targets}
-        self._gather(pending, what="push", timeout=60)
+        self.apply(engine.push_values, values, ranks=ranks, timeout=60)
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
