@@ -9,7 +9,12 @@ or, without IPython: ``session = infini_notebook.start(nprocs=4); session.run(".
 Importing this package stays light (no torch): engines import it too.
 """
 
+import logging
+
 from .errors import DistCellError, DistUsageError
+
+# Quiet by default (ipyparallel's launchers log through us); users opt in with a handler.
+logging.getLogger("infini_notebook").addHandler(logging.NullHandler())
 
 __all__ = ["DistCellError", "DistUsageError", "start", "current", "load_ipython_extension"]
 

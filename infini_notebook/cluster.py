@@ -23,7 +23,7 @@ import psutil
 
 from . import engine
 from .errors import DistCellError, DistUsageError
-from .output import StreamLabeler, error_report, error_summary
+from .output import StreamLabeler, error_report, error_summary, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 
@@ -142,13 +142,22 @@ class Session:
         return ParallelLayout(**self.plan.layout)
 
     def _start_store(self) -> None:
+        """Host the TCPStore here. We bind the listening socket ourselves: TCPStore alone
+        listens on every interface, whatever host it is given."""
+        import socket
+
         import torch.distributed as dist
 
         method = self.plan.init_method
         host = method.host if method.kind == "tcp" else self.plan.bind_address
         port = method.port if method.kind == "tcp" else 0
         try:
-            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+            sock = socket.create_server((host, port), backlog=1024)
+            self._store_socket = sock
+            port = sock.getsockname()[1]
+            self._store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
+            )
         except Exception as e:  # port taken, address not ours
             raise DistUsageError(
                 f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -163,7 +172,7 @@ class Session:
             profile_dir=os.path.join(self._workdir, "profile"),
             controller_ip=self.plan.bind_address,
             delay=0,  # engines wait for the controller's connection info anyway
-            log_level=logging.WARNING,
+            log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
         self._cluster.start_controller_sync()
@@ -270,6 +279,9 @@ class Session:
             self._kill_leftovers()
             self._cluster = None
         self._store = None  # the TCPStore server closes with its last reference
+        if getattr(self, "_store_socket", None) is not None:
+            self._store_socket.close()
+            self._store_socket = None
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self.plan.init_method.kind == "file":
             _remove_quietly(self.plan.init_method.path)
@@ -493,6 +505,11 @@ class Session:
             f"backend {self.plan.backend}, init {self.plan.init_method.url}>"
         )
 
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        from . import viz  # the live status widget when a cell's value, like dask's cluster
+
+        return viz.session_mimebundle(self)
+
     def _require_running(self) -> None:
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
@@ -521,8 +538,8 @@ class _Printer:
 
         ip = get_ipython()
         data = output.get("data", {})
-        if ip is None or getattr(ip, "display_pub", None) is None:
-            self.out(f"{label} {data.get('text/plain', '')}\n")
+        if ip is None or getattr(ip, "display_pub", None) is None or set(data) == {"text/plain"}:
+            self.out(prefix_lines(label, data.get("text/plain", "")))  # plain values inline
             return
         self.out(f"{label}\n")
         ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})

@@ -114,8 +114,67 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_status(self, line: str):
-        """Each rank's pid, device and state (idle, busy, error, dead)."""
-        print(_session().status_text())
+        """Live tiles, one per rank: coordinates, host, device, pid and state (idle, busy,
+        error, dead); they update while cells run. Terminals get the same as a text table."""
+        from IPython.display import display
+
+        from . import viz
+
+        display(viz.status_widget(_session()))
+
+    @staticmethod
+    def _groups_layout(args) -> tuple:
+        """%dist_groups: (layout, hosts) from --world flags, else from the running session."""
+        from .groups import DEFAULT_ORDER, ParallelLayout
+
+        if args.world is None:
+            session = cluster.current()
+            if session is None:
+                raise DistUsageError(
+                    "No session is running. Start one with %dist_start, or plan a layout with "
+                    "%dist_groups --world 64 --tp 8 --pp 2."
+                )
+            return session.layout, [rs.host for rs in session.status()]
+        try:
+            layout = ParallelLayout(
+                args.world, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
+                order=args.order or DEFAULT_ORDER,
+            )  # fmt: skip
+        except ValueError as e:
+            raise DistUsageError(str(e)) from None
+        per_host = args.ranks_per_host
+        if per_host is not None and per_host < 1:
+            raise DistUsageError(f"--ranks-per-host must be at least 1, got {per_host}.")
+        from .viz import hosts_by_block
+
+        return layout, hosts_by_block(layout.world_size, per_host) if per_host else None
+
+    @magic_arguments()
+    @argument("--color-by", default=None, help="group kind to color by: tp, dp, cp-dp, ...")
+    @argument("--world", type=int, help="plan without a session: number of ranks")
+    @argument("--tp", type=int, default=1, help="tensor-parallel size (with --world)")
+    @argument("--cp", type=int, default=1, help="context-parallel size (with --world)")
+    @argument("--pp", type=int, default=1, help="pipeline-parallel size (with --world)")
+    @argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
+    @argument("--order", default=None, help="dims fastest first, default tp-cp-dp-pp")
+    @argument("--ranks-per-host", type=int, help="with --world: consecutive ranks per host")
+    @line_magic
+    def dist_groups(self, line: str):
+        """The rank grid of the layout, colored by one kind's groups; click a rank to outline
+        all its groups. Without a session, plan one:
+        %dist_groups --world 64 --tp 8 --pp 2 --order tp-cp-pp-dp --ranks-per-host 8
+        """
+        from IPython.display import display
+
+        from . import viz
+
+        args = parse_argstring(self.dist_groups, line)
+        layout, hosts = self._groups_layout(args)
+        try:
+            grid = viz.GroupGrid(layout, color_by=args.color_by, hosts=hosts)
+        except ValueError as e:
+            raise DistUsageError(str(e)) from None
+        display(grid)
 
     @magic_arguments()
     @argument("name", help="variable to bring back from the ranks")

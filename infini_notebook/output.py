@@ -8,6 +8,7 @@ rank printing a million lines cannot freeze the notebook.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .ranks import rank_label
@@ -88,11 +89,18 @@ def group_identical(by_rank: dict[int, str]) -> list[tuple[list[int], str]]:
     return sorted(((ranks, text) for text, ranks in groups.items()), key=lambda g: g[0][0])
 
 
+_CELL_COUNT = re.compile(r"In\s*\[\d+\]")
+
+
 def error_report(tracebacks: dict[int, str]) -> str:
-    """Labeled tracebacks; identical ones are shown once with all their ranks."""
+    """Labeled tracebacks; identical ones are shown once with all their ranks.
+
+    Ranks that ran different numbers of cells number them differently (``In[5]``), which
+    does not make their tracebacks different."""
+    normalized = {r: _CELL_COUNT.sub("In[ ]", tb) for r, tb in tracebacks.items()}
     parts = []
-    for ranks, text in group_identical(tracebacks):
-        parts.append(f"{rank_label(ranks)} {text.rstrip()}\n")
+    for ranks, _ in group_identical(normalized):
+        parts.append(f"{rank_label(ranks)}\n{tracebacks[ranks[0]].rstrip()}\n")
     return "".join(parts)
 
 

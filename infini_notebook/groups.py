@@ -1,0 +1,665 @@
+"""The parallel layout (pure rank math) and the torch process groups built from it.
+
+``ParallelLayout`` turns (world_size, tp, cp, pp, dp, order) into ranks, coordinates and groups
+from one index grid, picotron's ``arange(world).view(...)`` idea driven by Megatron's order
+string. It imports no torch and is cheap enough to plan 65,536-rank jobs.
+
+``init_parallel_groups`` builds the groups on every rank after ``dist.init_process_group``,
+economically: one creation call per distinct group kind and rank (``split_group`` where NCCL
+can split, else a member-only ``new_group``), never one call per group per rank as
+``new_subgroups_by_enumeration`` or ``init_device_mesh`` do on gloo; the ``DeviceMesh`` is then
+assembled from those groups with ``DeviceMesh.from_group``, which creates nothing.
+
+Kinds whose groups are equal share one group (cp=1 makes "cp-dp" the dp group), a kind spanning
+the world is the default group, and kinds of size 1 open no communicator each: they share one
+self group per rank, created by the rank alone, because DeviceMesh needs a group for every dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from numbers import Integral
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and numpy stay out of the import path of the pure layout
+    import numpy as np
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger("infini_notebook")
+
+DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+# Built at init: the four dims and the combinations Megatron/picotron/InternLM use.
+DEFAULT_KINDS: tuple[str, ...] = (
+    "tp", "cp", "dp", "pp", "cp-dp", "pp-dp", "tp-pp", "tp-cp", "tp-dp",
+)  # fmt: skip
+ENV_SIZES = {"tp": "TP_SIZE", "cp": "CP_SIZE", "pp": "PP_SIZE", "dp": "DP_SIZE"}
+
+
+# --------------------------------------------------------------------------- pure layout
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How ``world_size`` ranks split into tp x cp x dp x pp; ``order`` is fastest dim first."""
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    order: str = DEFAULT_ORDER
+    zero1: int | None = None
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "cp", "pp"):
+            _check_int(name, getattr(self, name))
+        if self.dp is None:
+            rest = self.tp * self.cp * self.pp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"world_size {self.world_size} is not divisible by tp {self.tp} x cp "
+                    f"{self.cp} x pp {self.pp} = {rest}, so dp cannot be inferred; pick sizes "
+                    f"whose product divides {self.world_size}."
+                )
+            object.__setattr__(self, "dp", self.world_size // rest)
+        _check_int("dp", self.dp)
+        product = self.tp * self.cp * self.dp * self.pp
+        if product != self.world_size:
+            raise ValueError(
+                f"tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp} = {product}, but "
+                f"world_size is {self.world_size}; make the product equal world_size "
+                "(or leave dp unset to infer it)."
+            )
+        dims = tuple(self.order.split("-")) if isinstance(self.order, str) else ()
+        if sorted(dims) != sorted(DIMS):
+            raise ValueError(
+                f"order {self.order!r} must list tp, cp, dp, pp once each, fastest first "
+                f"(e.g. {DEFAULT_ORDER!r} or 'tp-cp-pp-dp'); sizes tp {self.tp} x cp {self.cp}"
+                f" x dp {self.dp} x pp {self.pp} = {product}, world_size {self.world_size}."
+            )
+        if self.zero1 is not None:
+            _check_int("zero1", self.zero1)
+            if self.dp % self.zero1:
+                raise ValueError(
+                    f"zero1={self.zero1} must divide dp={self.dp} (ZeRO-1 shards each dp group "
+                    f"into chunks of zero1 consecutive ranks); world_size {self.world_size} = "
+                    f"tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}."
+                )
+
+    # ---- construction helpers
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelLayout:
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_env(
+        cls, world_size: int | None = None, env: Mapping[str, str] | None = None
+    ) -> ParallelLayout:
+        """Read WORLD_SIZE, TP_SIZE, CP_SIZE, PP_SIZE, DP_SIZE, PARALLEL_ORDER, ZERO1_SIZE."""
+        env = os.environ if env is None else env
+        if world_size is None:
+            if "WORLD_SIZE" not in env:
+                raise ValueError(
+                    "WORLD_SIZE is not set; launch with torchrun, set WORLD_SIZE, or pass "
+                    "a ParallelLayout explicitly."
+                )
+            world_size = _env_int(env, "WORLD_SIZE")
+        sizes = {d: _env_int(env, var) for d, var in ENV_SIZES.items() if env.get(var)}
+        zero1 = _env_int(env, "ZERO1_SIZE") if env.get("ZERO1_SIZE") else None
+        order = env.get("PARALLEL_ORDER") or DEFAULT_ORDER
+        return cls(world_size, order=order, zero1=zero1, **sizes)
+
+    # ---- sizes and coordinates
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Dims fastest-changing first, as in ``order``."""
+        return tuple(self.order.split("-"))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
+    def describe(self) -> str:
+        parts = " x ".join(f"{d} {getattr(self, d)}" for d in DIMS)
+        z = f", zero1 {self.zero1}" if self.zero1 else ""
+        return f"world {self.world_size} = {parts} (order {self.order}{z})"
+
+    @property
+    def _grid(self) -> np.ndarray:
+        """Rank grid with axes slowest dim first, so ``grid[coords] == rank``."""
+        if "grid" not in self._cache:
+            slow_first = self.dims[::-1]
+            shape = tuple(getattr(self, d) for d in slow_first)
+            self._cache["grid"] = _np().arange(self.world_size, dtype="int64").reshape(shape)
+        return self._cache["grid"]
+
+    def _axis(self, dim: str) -> int:
+        return self.dims[::-1].index(dim)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        self._check_rank(rank)
+        out, rest = {}, rank
+        for d in self.dims:  # fastest first: peel sizes off like digits
+            out[d] = rest % getattr(self, d)
+            rest //= getattr(self, d)
+        return {d: out[d] for d in DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        self._check_coords(coords, need_all=True)
+        rank, stride = 0, 1
+        for d in self.dims:
+            rank += coords[d] * stride
+            stride *= getattr(self, d)
+        return rank
+
+    def ranks_where(self, **coords: int) -> list[int]:
+        """Ranks whose coordinates match every given one, e.g. ``ranks_where(pp=0, tp=1)``."""
+        self._check_coords(coords, need_all=False)
+        index = tuple(coords.get(d, slice(None)) for d in self.dims[::-1])
+        return _np().asarray(self._grid[index]).reshape(-1).tolist()
+
+    # ---- groups
+
+    def kinds(self) -> list[str]:
+        """Every group kind: each non-empty combination of dims, in ``order``."""
+        return ["-".join(c) for n in range(1, 5) for c in itertools.combinations(self.dims, n)]
+
+    def normalize_kind(self, kind: str) -> str:
+        """``"dp-cp"`` -> ``"cp-dp"`` (dims in layout order); ``"world"`` is all four dims."""
+        if kind == "world":
+            return "-".join(self.dims)
+        parts = kind.split("-") if isinstance(kind, str) else []
+        bad = [p for p in parts if p not in DIMS]
+        if not parts or bad or len(set(parts)) != len(parts):
+            raise ValueError(
+                f"unknown group kind {kind!r}: use dims from {', '.join(DIMS)} joined by '-' "
+                f"(e.g. 'tp', 'cp-dp', 'tp-pp'), each at most once, or 'world'."
+            )
+        return "-".join(d for d in self.dims if d in parts)
+
+    def kind_size(self, kind: str) -> int:
+        return math.prod([getattr(self, d) for d in self.normalize_kind(kind).split("-")])
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind``: ranks that differ only in the kind's dims, ascending."""
+        kind = self.normalize_kind(kind)
+        key = ("groups", kind)
+        if key not in self._cache:
+            self._cache[key] = self._group_array(kind).tolist()
+        return self._cache[key]
+
+    def group_of(self, rank: int, kind: str) -> list[int]:
+        kind = self.normalize_kind(kind)
+        if ("groups", kind) in self._cache:
+            return self._cache[("groups", kind)][self._group_index(rank, kind)]
+        fixed = {d: c for d, c in self.coords(rank).items() if d not in kind.split("-")}
+        return self.ranks_where(**fixed)
+
+    def _group_array(self, kind: str) -> np.ndarray:
+        inside = set(kind.split("-"))
+        slow_first = self.dims[::-1]
+        outer = [self._axis(d) for d in slow_first if d not in inside]
+        inner = [self._axis(d) for d in slow_first if d in inside]
+        n = math.prod(getattr(self, d) for d in inside)
+        return self._grid.transpose(outer + inner).reshape(-1, n)
+
+    def _group_index(self, rank: int, kind: str) -> int:
+        """Position of ``rank``'s group in ``groups(kind)``: its outer coords, row-major."""
+        c = self.coords(rank)
+        index = 0
+        for d in self.dims[::-1]:
+            if d not in kind.split("-"):
+                index = index * getattr(self, d) + c[d]
+        return index
+
+    # ---- pipeline, context-parallel ring, ZeRO-1
+
+    def pp_neighbours(self, rank: int) -> tuple[int | None, int | None]:
+        """(previous stage, next stage) in ``rank``'s pp group; None at the ends."""
+        group, i = self.group_of(rank, "pp"), self.coords(rank)["pp"]
+        return (group[i - 1] if i > 0 else None, group[i + 1] if i + 1 < len(group) else None)
+
+    def cp_ring(self, rank: int) -> tuple[int, int]:
+        """(send to, receive from) around ``rank``'s cp group, as picotron's ring attention."""
+        group, i = self.group_of(rank, "cp"), self.coords(rank)["cp"]
+        return group[(i + 1) % len(group)], group[(i - 1) % len(group)]
+
+    def zero1_groups(self) -> list[list[int]]:
+        """Each dp group cut into consecutive chunks of ``zero1`` ranks (InternLM's rule)."""
+        n = self._zero1_size()
+        return [g[i : i + n] for g in self.groups("dp") for i in range(0, len(g), n)]
+
+    def zero1_group_of(self, rank: int) -> list[int]:
+        n, group = self._zero1_size(), self.group_of(rank, "dp")
+        start = group.index(rank) // n * n
+        return group[start : start + n]
+
+    def _zero1_size(self) -> int:
+        if self.zero1 is None:
+            raise ValueError("this layout has no ZeRO-1 groups; pass zero1=N (N divides dp).")
+        return self.zero1
+
+    # ---- validation
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, Integral) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"rank {rank!r} is out of range: valid ranks are 0..{self.world_size - 1}."
+            )
+
+    def _check_coords(self, coords: Mapping[str, int], need_all: bool) -> None:
+        valid = ", ".join(f"{d} 0..{getattr(self, d) - 1}" for d in DIMS)
+        bad = [k for k in coords if k not in DIMS]
+        if bad:
+            raise ValueError(f"unknown dim {bad[0]!r}: valid dims and ranges are {valid}.")
+        missing = [d for d in DIMS if d not in coords] if need_all else []
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}: give every dim ({valid}).")
+        for d, c in coords.items():
+            if not isinstance(c, Integral) or not 0 <= c < getattr(self, d):
+                raise ValueError(f"{d}={c!r} is out of range: valid dims and ranges are {valid}.")
+
+
+def _np():
+    import numpy  # lazily: the layout's scalar math needs none, importing it costs ~0.1 s
+
+    return numpy
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _env_int(env: Mapping[str, str], var: str) -> int:
+    try:
+        return int(env[var])
+    except ValueError:
+        raise ValueError(
+            f"{var}={env[var]!r} is not an integer; set it to a size like 2."
+        ) from None
+
+
+# --------------------------------------------------------------------------- torch groups
+
+
+class ParallelGroups:
+    """This rank's process groups for a layout; build it with ``init_parallel_groups``.
+
+    Group creation is collective: every rank calls the same methods in the same order
+    (``get`` of a kind not built at init, ``get_group``), as with ``dist.new_group``.
+    """
+
+    def __init__(self, layout: ParallelLayout, *, cpu: bool = False) -> None:
+        import torch.distributed as dist
+
+        if layout.world_size != dist.get_world_size():
+            raise ValueError(
+                f"layout has world_size {layout.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks; build the layout with world_size="
+                f"{dist.get_world_size()} ({layout.describe()})."
+            )
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.coords = layout.coords(self.rank)
+        self.backend = str(dist.get_backend())
+        self.device_type = "cuda" if "nccl" in self.backend else "cpu"
+        self.creation_calls = 0
+        self.how: dict[str, str] = {}  # kind -> how its group was obtained, for repr/bench
+        self._world_pg = dist.group.WORLD
+        self._lock = threading.RLock()
+        self._by_kind: dict[str, Any] = {}
+        self._by_ranks: dict[frozenset[int], Any] = {}  # None: known group, not a member
+        self._created: list[Any] = []
+        self._cpu_twins: dict[frozenset[int], Any] = {}
+        self._cpu = cpu
+        self._local_ok = False  # member-only creation allowed (set during a symmetric init)
+        self._mode = "split" if _can_split() else "new_group"
+
+    # ---- public accessors
+
+    def get(self, kind: str) -> ProcessGroup:
+        """This rank's group of ``kind`` ("tp", "cp-dp", ...); collective if not built yet."""
+        kind = self.layout.normalize_kind(kind)
+        with self._lock:
+            if kind not in self._by_kind:
+                partition = self.layout.groups(kind)
+                self._by_kind[kind] = self._obtain(kind, partition)
+            return self._by_kind[kind]
+
+    def get_group(self, ranks: Iterable[int]) -> ProcessGroup | None:
+        """An ad-hoc group of global ``ranks`` from the same registry; None on non-members.
+
+        Call it on every rank (like ``dist.new_group``); a rank set already built is reused.
+        """
+        ranks = sorted({int(r) for r in ranks})
+        for r in ranks:
+            self.layout._check_rank(r)
+        key = frozenset(ranks)
+        with self._lock:
+            if key not in self._by_ranks:
+                self._obtain(f"ranks {_fmt(ranks)}", [ranks], whole_partition=False)
+            return self._by_ranks[key]
+
+    def cpu_group(self, kind: str) -> ProcessGroup:
+        """Gloo twin of ``get(kind)`` for CPU-side control traffic (needs ``cpu=True``)."""
+        pg = self.get(kind)
+        if self.backend == "gloo":
+            return pg
+        if not self._cpu:
+            raise ValueError("no gloo twins: call init_parallel_groups(..., cpu=True).")
+        with self._lock:
+            key = frozenset(self.layout.group_of(self.rank, kind))
+            if key not in self._cpu_twins:
+                self._cpu_twins[key] = self._new_gloo_twin(kind, sorted(key))
+            return self._cpu_twins[key]
+
+    @property
+    def world(self) -> ProcessGroup:
+        return self._world_pg
+
+    tp = property(lambda self: self.get("tp"))
+    cp = property(lambda self: self.get("cp"))
+    dp = property(lambda self: self.get("dp"))
+    pp = property(lambda self: self.get("pp"))
+    tp_rank = property(lambda self: self.coords["tp"])
+    cp_rank = property(lambda self: self.coords["cp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    tp_size = property(lambda self: self.layout.tp)
+    cp_size = property(lambda self: self.layout.cp)
+    dp_size = property(lambda self: self.layout.dp)
+    pp_size = property(lambda self: self.layout.pp)
+
+    def rank_in(self, kind: str) -> int:
+        """This rank's index in its group of ``kind``."""
+        return self.layout.group_of(self.rank, kind).index(self.rank)
+
+    def ranks_in(self, kind: str) -> list[int]:
+        return self.layout.group_of(self.rank, kind)
+
+    @property
+    def pp_prev(self) -> int | None:
+        return self.layout.pp_neighbours(self.rank)[0]
+
+    @property
+    def pp_next(self) -> int | None:
+        return self.layout.pp_neighbours(self.rank)[1]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_prev is None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_next is None
+
+    @property
+    def cp_send_to(self) -> int:
+        return self.layout.cp_ring(self.rank)[0]
+
+    @property
+    def cp_recv_from(self) -> int:
+        return self.layout.cp_ring(self.rank)[1]
+
+    @property
+    def zero1(self) -> ProcessGroup | None:
+        """This rank's ZeRO-1 sharding group, or None when the layout sets no zero1."""
+        if self.layout.zero1 is None:
+            return None
+        with self._lock:
+            if "zero1" not in self._by_kind:
+                self._by_kind["zero1"] = self._obtain("zero1", self.layout.zero1_groups())
+            return self._by_kind["zero1"]
+
+    @cached_property
+    def mesh(self) -> DeviceMesh:
+        """DeviceMesh over all four dims (slowest first), assembled from the built groups."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        names = self.layout.dims[::-1]
+        with self._lock:
+            groups = [self.get(d) for d in names]
+            return DeviceMesh.from_group(
+                groups, self.device_type, mesh=self.layout._grid.tolist(), mesh_dim_names=names
+            )
+
+    def destroy(self) -> None:
+        """Destroy every group this object created (not the default group)."""
+        import torch.distributed as dist
+
+        with self._lock:
+            for pg in reversed(self._created):
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as exc:  # one stuck group must not keep the rest alive
+                    log.warning("destroying %s failed: %s", pg, exc)
+            if self._created:
+                _DESTROYED_IN["world"] = self._world_pg
+            self._created.clear()
+            self._by_kind.clear()
+            self._by_ranks.clear()
+            self._cpu_twins.clear()
+            self.__dict__.pop("mesh", None)
+            _forget(self)
+
+    def __repr__(self) -> str:
+        lines = [f"ParallelGroups(rank {self.rank}, {self.layout.describe()}, {self.backend})"]
+        for kind in self._by_kind:
+            members = (
+                self.layout.group_of(self.rank, kind)
+                if kind != "zero1"
+                else (self.layout.zero1_group_of(self.rank))
+            )
+            lines.append(f"  {kind:<12} {_fmt(members):<24} {self.how.get(kind, '')}")
+        lines.append(
+            f"  pp prev/next {self.pp_prev}/{self.pp_next}, cp ring ->{self.cp_send_to}"
+            f" <-{self.cp_recv_from}, creation calls {self.creation_calls}"
+        )
+        return "\n".join(lines)
+
+    # ---- creation (collective; callers hold the lock)
+
+    @classmethod
+    def build(
+        cls, layout: ParallelLayout, *, cpu: bool = False, kinds: Iterable[str] = DEFAULT_KINDS
+    ) -> ParallelGroups:
+        """Build a new set of groups (collective, no memo); ``init_parallel_groups`` memoizes."""
+        groups = cls(layout, cpu=cpu)
+        with groups._lock:
+            groups._build(tuple(layout.normalize_kind(k) for k in kinds))
+        return groups
+
+    def _build(self, kinds: Iterable[str]) -> None:
+        # Member-only new_group names groups by hash(ranks, len(pg_names)): consistent only when
+        # every rank has made the same number of groups, and fresh only if none were destroyed
+        # in this world (the count drops back, the name and its stale store keys come back).
+        self._local_ok = (
+            self._mode == "new_group"
+            and _DESTROYED_IN.get("world") is not self._world_pg
+            and _same_everywhere(len(_pg_names()))
+        )
+        try:
+            for kind in kinds:
+                self.get(kind)
+            if self.layout.zero1 is not None:
+                _ = self.zero1
+            _ = self.mesh  # fetches the four dims, so a mesh never creates groups later
+            if self._cpu and self.backend != "gloo":
+                for kind in [k for k in self._by_kind if k != "zero1"]:
+                    self.cpu_group(kind)
+        finally:
+            self._local_ok = False
+
+    def _obtain(self, label: str, partition: list[list[int]], whole_partition: bool = True):
+        """This rank's group among ``partition`` (disjoint rank lists): reuse or create."""
+        import torch.distributed as dist
+
+        mine = next((g for g in partition if self.rank in g), None)
+        if mine is not None and len(mine) == dist.get_world_size():
+            self.how[label] = "world (default group)"
+            self._by_ranks.setdefault(frozenset(mine), self._world_pg)
+            return self._world_pg
+        if mine is not None and frozenset(mine) in self._by_ranks:
+            self.how[label] = "shared"
+            return self._by_ranks[frozenset(mine)]
+        if mine is None and all(frozenset(g) in self._by_ranks for g in partition):
+            return None
+        pg = self._create(label, partition, mine, whole_partition)
+        for g in partition:
+            self._by_ranks.setdefault(frozenset(g), None)
+        if mine is not None:
+            self._by_ranks[frozenset(mine)] = pg
+            self._created.append(pg)
+        return pg
+
+    def _create(self, label, partition, mine, whole_partition):
+        import torch.distributed as dist
+
+        desc = f"inb_{label.replace(' ', '_')}"
+        if self._mode == "split" and whole_partition and _covers_world(partition):
+            self.creation_calls += 1
+            self.how[label] = "split_group"
+            return dist.split_group(split_ranks=partition, group_desc=desc)
+        if self._local_ok and whole_partition:
+            self.creation_calls += 1
+            self.how[label] = "new_group (members only)" if len(mine) > 1 else "self group"
+            return dist.new_group(mine, use_local_synchronization=True, group_desc=desc)
+        pg = None
+        for g in partition:  # torch's rule: every rank enters every group's creation
+            self.creation_calls += 1
+            made = dist.new_group(g, group_desc=desc)
+            if self.rank in g:
+                pg = made
+        self.how[label] = f"new_group x{len(partition)}"
+        return pg
+
+    def _new_gloo_twin(self, kind: str, ranks: list[int]):
+        import torch.distributed as dist
+
+        if self._local_ok and len(ranks) < dist.get_world_size():
+            self.creation_calls += 1
+            pg = dist.new_group(
+                ranks, backend="gloo", use_local_synchronization=True, group_desc=f"inb_cpu_{kind}"
+            )
+            self._created.append(pg)
+            return pg
+        mine = None
+        for g in self.layout.groups(kind):  # every rank enters every group's creation
+            self.creation_calls += 1
+            made = dist.new_group(g, backend="gloo", group_desc=f"inb_cpu_{kind}")
+            if self.rank in g:
+                mine = made
+                self._created.append(made)
+        return mine
+
+
+_ACTIVE: dict[tuple, ParallelGroups] = {}
+_DESTROYED_IN: dict[str, Any] = {}  # the default group in which destroy() ran, if any
+_ACTIVE_LOCK = threading.Lock()
+
+
+def init_parallel_groups(
+    layout: ParallelLayout | Mapping[str, Any] | None = None,
+    *,
+    cpu: bool = False,
+    kinds: Iterable[str] = DEFAULT_KINDS,
+) -> ParallelGroups:
+    """Build this rank's groups and DeviceMesh; call on every rank after init_process_group.
+
+    ``layout`` defaults to ``ParallelLayout.from_env`` (TP_SIZE, CP_SIZE, PP_SIZE, ...), so a
+    torchrun script needs no arguments. ``kinds`` are built now; other kinds on first
+    ``get``. ``cpu=True`` adds gloo twins (``cpu_group(kind)``) when the backend is not gloo.
+    Calling it again with the same layout returns the same object.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call dist.init_process_group(...) on every "
+            "rank first (torchrun sets the env it needs)."
+        )
+    if layout is None:
+        layout = ParallelLayout.from_env(world_size=dist.get_world_size())
+    elif isinstance(layout, Mapping):
+        layout = ParallelLayout.from_dict(layout)
+    kinds = tuple(layout.normalize_kind(k) for k in kinds)
+    key = (layout, id(dist.group.WORLD), cpu, kinds)
+    with _ACTIVE_LOCK:
+        if key in _ACTIVE:
+            return _ACTIVE[key]
+        groups = ParallelGroups.build(layout, cpu=cpu, kinds=kinds)
+        _ACTIVE[key] = groups
+        log.info("parallel groups: %s, %d creation calls", layout.describe(), groups.creation_calls)
+        return groups
+
+
+def _forget(groups: ParallelGroups) -> None:
+    with _ACTIVE_LOCK:
+        for key, value in list(_ACTIVE.items()):
+            if value is groups:
+                del _ACTIVE[key]
+
+
+def _can_split() -> bool:
+    """NCCL can split communicators only once the default group is bound to a device."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    if getattr(default, "bound_device_id", None) is None:
+        return False
+    try:
+        import torch
+
+        backend = default._get_backend(torch.device(default.bound_device_id.type))
+        return bool(backend.supports_splitting) and hasattr(dist, "split_group")
+    except Exception:
+        return False
+
+
+def _covers_world(partition: list[list[int]]) -> bool:
+    import torch.distributed as dist
+
+    return sum(len(g) for g in partition) == dist.get_world_size()
+
+
+def _pg_names() -> dict:
+    from torch.distributed.distributed_c10d import _world
+
+    return _world.pg_names
+
+
+def _same_everywhere(value: int) -> bool:
+    """True when ``value`` is equal on every rank (one tiny all_reduce on the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cpu"
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) == value and int(-t[1]) == value
+
+
+def _fmt(ranks: list[int]) -> str:
+    """Compact rank list: [0, 1, 2, 3] -> 0-3, [0, 2] -> 0,2."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

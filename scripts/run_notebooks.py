@@ -1,0 +1,58 @@
+"""Execute tutorial notebooks top to bottom in a real kernel; fail on the first error.
+
+    .venv/bin/python scripts/run_notebooks.py notebooks/*.ipynb --out out/notebooks
+    .venv/bin/python scripts/run_notebooks.py notebooks/*.ipynb --inplace   # refresh outputs
+
+``--inplace`` is how the committed outputs are regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def execute(path: str, timeout: int) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": REPO}},
+    )
+    client.execute()
+    return nb
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="folder for the executed copies")
+    where.add_argument("--inplace", action="store_true", help="overwrite with outputs")
+    parser.add_argument("--timeout", type=int, default=600, help="per cell, seconds")
+    args = parser.parse_args()
+    for path in args.notebooks:
+        t0 = time.perf_counter()
+        try:
+            nb = execute(path, args.timeout)
+        except CellExecutionError as e:
+            print(f"FAILED {path}:\n{e}", file=sys.stderr)
+            return 1
+        target = path if args.inplace else os.path.join(args.out, os.path.basename(path))
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        nbformat.write(nb, target)
+        print(f"executed {path} in {time.perf_counter() - t0:.0f}s -> {os.path.abspath(target)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create or refresh .venv at the repo root. Usage: scripts/setup.sh [--test]
+#   --test  also install the test extra and the browser the widget tests drive.
+# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extra=""
+[[ "${1:-}" == "--test" ]] && extra="[test]"
+
+if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+fi
+
+stamp=".venv/.infini-installed${extra:+-test}"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    echo "setup: installing into .venv (first run takes a few minutes)..."
+    .venv/bin/python -m pip install -q --upgrade pip
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        # CPU machine: the CPU build of torch, not the multi-GB CUDA one.
+        .venv/bin/python -m pip install -q "torch==2.13.0"
+    fi
+    .venv/bin/python -m pip install -q -e ".${extra}"
+    echo "$want" > "$stamp"
+fi
+
+if [[ -n "$extra" && -x scripts/install_browser.sh ]]; then
+    scripts/install_browser.sh
+fi

@@ -1,0 +1,73 @@
+"""Shared fixtures. Starting ranks costs seconds on a 2-core machine, so sessions and kernels
+are started once per module (or once per run) and reused."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def session4():
+    """An in-process API session: 4 CPU ranks on gloo, tp=2 (dp=2)."""
+    import infini_notebook
+
+    session = infini_notebook.start(nprocs=4, tp=2, timeout=30)
+    yield session
+    session.stop()
+
+
+class KernelCells:
+    """Run cells one at a time in a real Jupyter kernel (nbclient), like a user would."""
+
+    def __init__(self, client: NotebookClient):
+        self.client = client
+        self.index = 0
+
+    def run(self, source: str, allow_error: bool = False, timeout: int = 120):
+        cell = nbformat.v4.new_code_cell(source)
+        self.client.nb.cells.append(cell)
+        self.client.timeout = timeout
+        try:
+            self.client.execute_cell(cell, self.index, store_history=True)
+        except CellExecutionError:
+            if not allow_error:
+                raise
+        finally:
+            self.index += 1
+        return cell
+
+    @property
+    def kernel_pid(self) -> int:
+        return self.client.km.provisioner.process.pid
+
+
+def text_of(cell, name: str | None = None) -> str:
+    """All text a cell showed (streams, errors, text/plain), optionally one stream only."""
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream" and name in (None, out.name):
+            parts.append(out.text)
+        elif out.output_type == "error" and name in (None, "error"):
+            parts.append("\n".join(out.traceback))
+        elif out.output_type in ("display_data", "execute_result") and name is None:
+            parts.append(out.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A real IPython kernel with the extension loaded; one per test module."""
+    nb = nbformat.v4.new_notebook()
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": REPO}})
+    with client.setup_kernel():
+        cells = KernelCells(client)
+        cells.run("%load_ext infini_notebook")
+        yield cells
+        cells.run("%dist_stop", allow_error=True)

@@ -1,0 +1,126 @@
+"""Flag validation, rank specs and output labeling: pure, milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infini_notebook.errors import DistUsageError
+from infini_notebook.output import StreamLabeler, error_report, error_summary, group_identical
+from infini_notebook.plan import make_plan, parse_init_method
+from infini_notebook.ranks import format_ranks, parse_ranks, rank_label
+
+
+# ----- plan ------------------------------------------------------------------------------
+def test_nprocs_gives_gloo_cpu_ranks():
+    plan = make_plan(nprocs=4, visible_gpus=[], cpu_count=8)
+    assert (plan.world_size, plan.backend, plan.gpus) == (4, "gloo", ())
+    assert plan.threads_per_rank == 2
+    assert plan.init_method.kind == "env" and plan.init_method.host == "127.0.0.1"
+
+
+def test_gpus_gives_nccl_one_gpu_per_rank():
+    plan = make_plan(gpus=2, visible_gpus=["0", "1", "2"])
+    assert (plan.world_size, plan.backend, plan.gpus) == (2, "nccl", ("0", "1"))
+
+
+def test_no_size_uses_all_visible_gpus():
+    assert make_plan(visible_gpus=["3", "5"]).gpus == ("3", "5")
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(gpus=2, visible_gpus=[]), ["CUDA sees none", "--nprocs 2"]),
+        (dict(gpus=4, visible_gpus=["0", "1"]), ["more GPUs than the 2 visible"]),
+        (dict(nprocs=0), ["at least 1"]),
+        (dict(nprocs=-3), ["at least 1"]),
+        (dict(gpus=0, visible_gpus=["0"]), ["at least 1"]),
+        (dict(nprocs=2, backend="mpi"), ["Unknown --backend", "auto, nccl, gloo"]),
+        (dict(nprocs=2, backend="nccl"), ["nccl"]),
+        (dict(visible_gpus=[]), ["--nprocs"]),
+        (dict(gpus=1, nprocs=2, visible_gpus=["0"]), ["not both"]),
+        (dict(nprocs=2, timeout=0), ["--timeout"]),
+        (dict(nprocs=4, layout={"tp": 3}), ["Bad parallel layout", "4"]),
+        (dict(nprocs=2, init_method="http://x"), ["Unknown --init-method"]),
+    ],
+)
+def test_bad_options_are_refused_with_the_fix(kwargs, words):
+    with pytest.raises(DistUsageError) as e:
+        make_plan(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_init_methods_parse():
+    assert parse_init_method("tcp://127.0.0.1:29500").port == 29500
+    assert parse_init_method("file:///tmp/x").path == "/tmp/x"
+    assert parse_init_method(None).url == "env://"
+    with pytest.raises(DistUsageError, match="host and a port"):
+        parse_init_method("tcp://127.0.0.1")
+    with pytest.raises(DistUsageError, match="three slashes"):
+        parse_init_method("file://tmp/x")
+    with pytest.raises(DistUsageError, match="does not exist"):
+        parse_init_method("file:///no/such/dir/x")
+
+
+# ----- ranks -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, ranks",
+    [("0", [0]), ("0,2", [0, 2]), ("1-3", [1, 2, 3]), ("all", [0, 1, 2, 3]), (None, [0, 1, 2, 3]),
+     ("3,0-1", [0, 1, 3]), (2, [2])],
+)
+def test_parse_ranks(spec, ranks):
+    assert parse_ranks(spec, 4) == ranks
+
+
+@pytest.mark.parametrize("spec", ["4", "a", "3-1", "-1", "0,,x"])
+def test_bad_rank_specs(spec):
+    with pytest.raises(DistUsageError):
+        parse_ranks(spec, 4)
+
+
+@given(st.sets(st.integers(0, 63), min_size=1))
+def test_format_then_parse_round_trips(ranks):
+    assert parse_ranks(format_ranks(sorted(ranks)), 64) == sorted(ranks)
+
+
+def test_labels():
+    assert rank_label([2]) == "[rank 2]"
+    assert rank_label([0, 1, 2, 3, 6]) == "[ranks 0-3,6]"
+
+
+# ----- output ----------------------------------------------------------------------------
+def test_labeler_emits_only_complete_new_lines():
+    lab = StreamLabeler()
+    assert lab.feed("stdout", {0: "a\nb", 1: ""}) == "[rank 0] a\n"
+    assert lab.feed("stdout", {0: "a\nbc\n", 1: "x\n"}) == "[rank 0] bc\n[rank 1] x\n"
+    assert lab.feed("stdout", {0: "a\nbc\ntail", 1: "x\n"}, final=True) == "[rank 0] tail\n"
+
+
+def test_collapse_groups_identical_text():
+    lab = StreamLabeler(collapse=True)
+    out = lab.feed("stdout", {0: "same\n", 1: "same\n", 2: "other\n", 3: "same\n"})
+    assert out == "[ranks 0-1,3] same\n[rank 2] other\n"
+
+
+def test_flood_is_capped_with_a_note():
+    lab = StreamLabeler(max_lines=3)
+    out = lab.feed("stdout", {1: "".join(f"{i}\n" for i in range(1000))})
+    assert out.count("[rank 1]") == 4 and "capped at 3 lines" in out
+    assert "session.last.stdout[1]" in out
+    assert lab.feed("stdout", {1: "".join(f"{i}\n" for i in range(2000))}) == ""
+
+
+def test_identical_tracebacks_are_shown_once():
+    report = error_report({0: "Trace A", 1: "Trace A", 2: "Trace B"})
+    assert report.count("Trace A") == 1 and "[ranks 0-1]" in report and "[rank 2]" in report
+    assert group_identical({3: "x", 1: "x"}) == [([1, 3], "x")]
+    summary = error_summary({1: "ValueError: bad"}, [0, 1, 2, 3])
+    assert summary == "rank 1: ValueError: bad (ranks 0,2-3 finished)"
+
+
+def test_tracebacks_differing_only_in_cell_number_are_grouped():
+    report = error_report({0: "Cell In[3], line 1\nNameError", 2: "Cell In[7], line 1\nNameError"})
+    assert report.startswith("[ranks 0,2]\nCell In[3]")

@@ -1,0 +1,137 @@
+"""The core session through a real Jupyter kernel, as a user meets it (issue 2)."""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+import pytest
+
+from conftest import text_of
+
+
+def kernel_children(kernel) -> list[psutil.Process]:
+    return psutil.Process(kernel.kernel_pid).children(recursive=True)
+
+
+def test_bad_flags_fail_the_cell_and_start_nothing(kernel):
+    for line, words in [
+        ("%dist_start --gpus 2", "--nprocs"),
+        ("%dist_start --nprocs 0", "at least 1"),
+        ("%dist_start --nprocs 2 --backend nccl", "nccl"),
+        ("%dist_start --nprocs 2 --backend foo", "Unknown --backend"),
+        ("%dist_start --nprocs 4 --tp 3", "Bad parallel layout"),
+        ("%dist_start --nprocs 2 --bogus 1", "unrecognized arguments"),
+    ]:
+        cell = kernel.run(line, allow_error=True)
+        out = text_of(cell)
+        assert words in out, (line, out)
+        assert "Traceback" not in out  # one short message, not a kernel-side traceback
+        assert any(o.output_type == "error" for o in cell.outputs) or "UsageError" in out
+    assert kernel_children(kernel) == []
+
+
+def test_start_and_collective_on_four_ranks(kernel):
+    kernel.run("%dist_start --nprocs 4 --backend gloo --timeout 30", timeout=180)
+    cell = kernel.run(
+        "%%dist\nx = torch.ones(4) * (rank + 1)\ndist.all_reduce(x)\nprint('sum', x[0].item())"
+    )
+    out = text_of(cell, "stdout")
+    for r in range(4):
+        assert f"[rank {r}] sum 10.0" in out
+
+
+def test_namespace_and_torchrun_environment(kernel):
+    cell = kernel.run(
+        "%%dist\nimport os\n"
+        "print(rank, world_size, local_rank, device, dist.is_initialized(),"
+        " os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'],"
+        " os.environ['LOCAL_WORLD_SIZE'], os.environ['GROUP_RANK'], os.environ['MASTER_ADDR'],"
+        " os.environ['OMP_NUM_THREADS'])"
+    )
+    out = text_of(cell, "stdout")
+    for r in range(4):
+        assert f"[rank {r}] {r} 4 {r} cpu True {r} 4 {r} 4 0 127.0.0.1 1" in out
+
+
+def test_rank_subset_runs_only_there(kernel):
+    out = text_of(kernel.run("%%dist --ranks 0,2\nprint('here', rank)"), "stdout")
+    assert "[rank 0] here 0" in out and "[rank 2] here 2" in out
+    assert "[rank 1]" not in out and "[rank 3]" not in out
+    out = text_of(kernel.run("%%dist --ranks 1-3\nprint('r', rank)"), "stdout")
+    assert "[rank 0]" not in out and "[rank 3] r 3" in out
+
+
+def test_last_expression_is_shown_per_rank(kernel):
+    out = text_of(kernel.run("%%dist\nrank * 10"))
+    assert "[rank 3] 30" in out and "[rank 1] 10" in out
+
+
+def test_exception_on_one_rank_fails_the_cell_and_names_it(kernel):
+    cell = kernel.run(
+        "%%dist\nif rank == 1:\n    raise ValueError('boom on one')\nprint('ok', rank)",
+        allow_error=True,
+    )
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    assert errors, "the cell must fail so that Run All stops"
+    tb = "\n".join(errors[0].traceback)
+    assert "[rank 1]" in tb and "boom on one" in tb and "rank 1: ValueError" in tb
+    assert "[rank 0]" not in tb
+    assert "[rank 0] ok 0" in text_of(cell, "stdout")
+    # the session stays usable
+    assert "[rank 1] fine" in text_of(kernel.run("%%dist\nprint('fine')"), "stdout")
+
+
+def test_identical_tracebacks_are_grouped(kernel):
+    cell = kernel.run("%%dist\nundefined_name", allow_error=True)
+    tb = "\n".join(next(o for o in cell.outputs if o.output_type == "error").traceback)
+    assert "[ranks 0-3]" in tb and tb.count("NameError") >= 1
+
+
+def test_pull_and_push(kernel):
+    kernel.run("%%dist\nt = torch.full((2,), float(rank))")
+    kernel.run("%dist_pull t")
+    out = text_of(kernel.run("print(sorted(t), [v.tolist() for v in t.values()], type(t[0]))"))
+    assert "[0, 1, 2, 3] [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]" in out
+    assert "torch.Tensor" in out
+    kernel.run("factor = 7\n%dist_push factor")
+    assert "[rank 2] 14" in text_of(kernel.run("%%dist\nprint(factor * rank)"))
+    assert "not defined on this rank" in text_of(kernel.run("%dist_pull nope", allow_error=True))
+
+
+def test_status_lists_every_rank(kernel):
+    out = text_of(kernel.run("%dist_status"))
+    for r in range(4):
+        assert f"\n   {r} " in out
+    assert out.count("idle") >= 4
+
+
+def test_second_start_is_refused(kernel):
+    before = {p.pid for p in kernel_children(kernel)}
+    out = text_of(kernel.run("%dist_start --nprocs 2", allow_error=True))
+    assert "already running" in out and "%dist_stop" in out
+    assert {p.pid for p in kernel_children(kernel)} == before
+
+
+def test_stop_leaves_no_process_running(kernel):
+    children = kernel_children(kernel)
+    assert len(children) >= 5  # controller + 4 engines (and their nannies)
+    kernel.run("%dist_stop")
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == []
+    assert "No session" in text_of(kernel.run("%%dist\n1", allow_error=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["tcp", "file"])
+def test_init_methods_tcp_and_file(kernel, method, tmp_path):
+    url = f"tcp://127.0.0.1:{_free_port()}" if method == "tcp" else f"file://{tmp_path}/store"
+    kernel.run(f"%dist_start --nprocs 2 --init-method {url}", timeout=180)
+    out = text_of(kernel.run("%%dist\nx = torch.tensor([rank + 1.0]); dist.all_reduce(x); print(x.item())"))
+    assert "[rank 0] 3.0" in out and "[rank 1] 3.0" in out
+    kernel.run("%dist_stop")
