@@ -98,7 +98,10 @@ class DistMagics(Magics):
         if args.where:
             if args.ranks:
                 raise DistUsageError("Give --ranks or --where, not both.")
-            ranks = session.layout.ranks_where(**parse_where(args.where))
+            try:
+                ranks = session.layout.ranks_where(**parse_where(args.where))
+            except ValueError as e:
+                raise DistUsageError(f"Bad --where {args.where!r}: {e}") from None
         session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
 
     @line_magic
@@ -199,3 +202,64 @@ class DistMagics(Magics):
         if args.name not in self.shell.user_ns:
             raise DistUsageError(f"{args.name!r} is not defined in the notebook.")
         _session().push({args.name: self.shell.user_ns[args.name]}, args.ranks)
+
+    @magic_arguments()
+    @argument(
+        "collectives",
+        nargs="*",
+        help="all_reduce (default), all_gather, reduce_scatter, broadcast, reduce, all_to_all,"
+        " send_recv, all; or p2p alone for the rank x rank send/recv matrix",
+    )
+    @argument(
+        "--group",
+        "-g",
+        dest="groups",
+        nargs="+",
+        action="extend",
+        help="group kinds: world (default), layout kinds (tp, dp, cp-dp ...), chunks:N",
+    )
+    @argument("--sizes", help="MIN:MAX or SIZE in bytes, K/M/G = 1024^n (default 1K:1M on CPU)")
+    @argument("--factor", type=float, default=2.0, help="size step factor (default 2)")
+    @argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    @argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    @argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 ...")
+    @argument("--check", action="store_true", help="verify results, count wrong elements")
+    @argument("-o", "--out", default=None, help="notebook variable for the DataFrame")
+    @line_magic
+    def dist_bench(self, line: str):
+        """Collective bandwidth per parallel group, as nccl-tests measures it.
+
+        Prints the table, plots busbw against size and stores the DataFrame under -o.
+        Example: %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M -o df
+        """
+        from IPython.display import Image, display
+
+        from . import bench, viz
+
+        args = parse_argstring(self.dist_bench, line)
+        session = _session()
+        if "p2p" in args.collectives:
+            if args.collectives != ["p2p"] or args.groups:
+                raise DistUsageError("p2p runs alone: %dist_bench p2p [--sizes 4M] [--iters N].")
+            result = bench.run_p2p(
+                session, args.sizes, iters=args.iters, warmup=args.warmup, dtype=args.dtype
+            )
+            print(result.round(3).to_string())
+            fig = viz.p2p_heatmap(result)
+        else:
+            result = bench.run_bench(
+                session,
+                args.collectives or None,
+                args.groups,
+                args.sizes,
+                factor=args.factor,
+                iters=args.iters,
+                warmup=args.warmup,
+                dtype=args.dtype,
+                check=args.check,
+            )
+            print(bench.format_table(result))
+            fig = viz.plot_busbw(result)
+        display(Image(data=viz.figure_png(fig), format="png"))
+        if args.out:
+            self.shell.user_ns[args.out] = result

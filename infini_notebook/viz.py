@@ -244,7 +244,7 @@ def groups_legend(layout: ParallelLayout, kind: str, hosts: Sequence[str] | None
         items.append(
             f'<span style="display:inline-block;margin:1px 6px 1px 0;white-space:nowrap">'
             f'<span style="display:inline-block;width:11px;height:11px;border-radius:2px;'
-            f'background:{PALETTE[i % len(PALETTE)]};border:1px solid #999;'
+            f"background:{PALETTE[i % len(PALETTE)]};border:1px solid #999;"
             f'vertical-align:middle"></span> {_esc(_ranks_text(g))}{mark}</span>'
         )
     more = f" … and {len(groups) - 32} more" if len(groups) > 32 else ""
@@ -510,7 +510,7 @@ def status_html(states: Sequence[RankState], layout: ParallelLayout | None = Non
     grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
     return (
         f'{CSS}<div class="infini-status"><div class="infini-title">'
-        f"{_esc(status_summary(states))}</div><div style=\"{grid}\">{tiles}</div></div>"
+        f'{_esc(status_summary(states))}</div><div style="{grid}">{tiles}</div></div>'
     )
 
 
@@ -658,17 +658,6 @@ def session_mimebundle(session: Session) -> dict:
     return bundle
 
 
-# --------------------------------------------------------------------------- progress
-
-
-def progress(total: int, desc: str, unit: str = "it"):
-    """A progress bar: an ipywidget in a notebook, text in a terminal (tqdm.auto).
-    Use as ``with progress(n, "sweep") as bar: ... bar.update(1)``."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, leave=True)
-
-
 # --------------------------------------------------------------------------- benchmarks
 
 METRICS = {"busbw_gbps": "busbw (GB/s)", "algbw_gbps": "algbw (GB/s)"}
@@ -729,10 +718,12 @@ def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
         if (c["max"] > c["min"]).any():
             ax.fill_between(c["size_bytes"], c["min"], c["max"], alpha=0.2, color=color)
     ax.set_xscale("log", base=2)
+    if all((c["min"] > 0).all() for c in curves.values()) and curves:
+        ax.set_yscale("log")  # small messages are orders of magnitude slower
     ax.xaxis.set_major_formatter(_size_formatter())
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel(METRICS.get(metric, metric))
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.3)
     if curves:
         ax.legend(title="group", fontsize=8, title_fontsize=8)
 
@@ -743,30 +734,33 @@ def _size_formatter():
     return FuncFormatter(lambda x, _pos: size_label(x))
 
 
-def p2p_heatmap(matrix: Any, title: str = "p2p bandwidth (GB/s)") -> Figure:
-    """Sender x receiver bandwidth; ``matrix`` is a square array or DataFrame (NaN on the
-    diagonal is shown blank). Values are printed in the cells up to 16 ranks."""
+def p2p_heatmap(matrix: Any, title: str | None = None) -> Figure:
+    """Sender x receiver bandwidth (``bench.run_p2p``'s src x dst DataFrame, or any square
+    array; NaN diagonal left blank): a slow link is a dark cell, a slow rank a dark row and
+    column. Values are printed in the cells up to 16 ranks."""
     import numpy as np
     from matplotlib.figure import Figure
 
     values = np.asarray(getattr(matrix, "values", matrix), dtype=float)
     n = values.shape[0]
-    labels = [str(x) for x in getattr(matrix, "index", range(n))]
-    fig = Figure(figsize=(1.2 + 0.55 * max(n, 4), 0.8 + 0.5 * max(n, 4)), layout="constrained")
+    index, columns = getattr(matrix, "index", None), getattr(matrix, "columns", None)
+    side = min(max(n, 4), 20)
+    fig = Figure(figsize=(1.6 + 0.5 * side, 1.0 + 0.45 * side), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis")
-    fig.colorbar(image, ax=ax, shrink=0.8)
-    ax.set_xticks(range(n), labels=[str(x) for x in getattr(matrix, "columns", range(n))])
-    ax.set_yticks(range(n), labels=labels)
-    ax.set_xlabel("receiver rank")
-    ax.set_ylabel("sender rank")
-    ax.set_title(title)
-    if n <= 16:
-        top = np.nanmax(values) if np.isfinite(values).any() else 0
+    fig.colorbar(image, ax=ax, shrink=0.85, label="GB/s")
+    ax.set_xticks(range(n), labels=[str(c) for c in (columns if columns is not None else range(n))])
+    ax.set_yticks(range(n), labels=[str(i) for i in (index if index is not None else range(n))])
+    ax.set_xlabel(f"{getattr(columns, 'name', None) or 'receiver'} rank")
+    ax.set_ylabel(f"{getattr(index, 'name', None) or 'sender'} rank")
+    size = getattr(matrix, "attrs", {}).get("size_bytes")
+    ax.set_title(title or "send/recv bandwidth" + (f", {size_label(size)}B" if size else ""))
+    if n <= 16 and np.isfinite(values).any():
+        top = np.nanmax(values)
         for (i, j), v in np.ndenumerate(values):
             if np.isfinite(v):
                 color = "black" if v > 0.6 * top else "white"
-                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=7, color=color)
+                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color=color)
     return fig
 
 

@@ -1,0 +1,264 @@
+"""%dist_bench: nccl-tests' formulas by hand, real sweeps on 4 CPU ranks, the magic in a real
+kernel, and a CUDA sweep where there is a GPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO, text_of
+
+from infini_notebook import bench
+from infini_notebook.errors import DistUsageError
+from infini_notebook.groups import ParallelLayout
+
+# --------------------------------------------------------------------------- pure formulas
+
+
+def test_parse_sizes_doubles_like_nccl_tests():
+    sizes = bench.parse_sizes("4K:1G")
+    assert sizes[0] == 4096 and sizes[-1] == 2**30 and len(sizes) == 19
+    assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert bench.parse_sizes("1M") == [1048576]
+    assert bench.parse_sizes("1K:64K", factor=4) == [1024, 4096, 16384, 65536]
+    assert bench.parse_sizes("1k:3kb") == [1024, 2048]
+    assert bench.parse_sizes([4096, "1K"]) == [1024, 4096]
+
+
+@pytest.mark.parametrize("bad", ["4Q", "4K:1K", "", "K", "-1"])
+def test_parse_sizes_rejects_with_a_fix(bad):
+    with pytest.raises(DistUsageError, match="like"):
+        bench.parse_sizes(bad)
+
+
+def test_factor_must_grow():
+    with pytest.raises(DistUsageError, match="above 1"):
+        bench.parse_sizes("1K:4K", factor=1)
+
+
+@pytest.mark.parametrize(
+    "collective, size, itemsize, n, expected",
+    [
+        ("all_reduce", 1 << 20, 4, 4, (262144, 1 << 20)),
+        ("broadcast", 1000, 4, 4, (250, 1000)),
+        ("send_recv", 1002, 4, 2, (250, 1000)),  # whole elements only
+        # split collectives: count per rank, size = the whole buffer (n blocks)
+        ("all_gather", 1 << 20, 4, 4, (65536, 1 << 20)),
+        ("reduce_scatter", 1 << 20, 4, 8, (32768, 1 << 20)),
+        ("all_to_all", 1 << 20, 2, 4, (131072, 1 << 20)),
+        # blocks rounded down to 16 bytes: 256 floats / 3 = 85 -> 84, 3 x 84 x 4 B = 1008
+        ("all_gather", 1024, 4, 3, (84, 1008)),
+        # bf16: 500 elements / 3 = 166 -> 160 (8 per 16 B), 3 x 160 x 2 B = 960
+        ("reduce_scatter", 1000, 2, 3, (160, 960)),
+    ],
+)
+def test_count_and_bytes_as_nccl_tests(collective, size, itemsize, n, expected):
+    assert bench.count_and_bytes(collective, size, itemsize, n) == expected
+
+
+@pytest.mark.parametrize(
+    "collective, n, factor",
+    [
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 8, 1.75),
+        ("all_reduce", 1, 0.0),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 2, 0.5),
+        ("all_to_all", 8, 0.875),
+        ("broadcast", 8, 1.0),
+        ("reduce", 8, 1.0),
+        ("send_recv", 8, 1.0),
+    ],
+)
+def test_bus_factor(collective, n, factor):
+    assert bench.bus_factor(collective, n) == pytest.approx(factor)
+
+
+def test_bandwidths_match_nccl_tests_lines():
+    # all_reduce_perf -g 8: 134217728 B in 1235.9 us -> algbw 108.60, busbw 190.05 GB/s
+    algbw, busbw = bench.bandwidths("all_reduce", 134217728, 1235.9e-6, 8)
+    assert algbw == pytest.approx(108.60, abs=0.01)
+    assert busbw == pytest.approx(190.05, abs=0.01)
+    # sendrecv_perf: 134217728 B in 1211.2 us -> 110.81 both
+    assert bench.bandwidths("send_recv", 134217728, 1211.2e-6, 8) == pytest.approx(
+        (110.81, 110.81), abs=0.01
+    )
+    # 1 GB = 1e9 B: 1e9 bytes all_gathered by 4 ranks in one second
+    assert bench.bandwidths("all_gather", 10**9, 1.0, 4) == pytest.approx((1.0, 0.75))
+
+
+def test_aggregate_averages_time_over_a_groups_ranks():
+    step = bench.make_step("all_reduce", "tp", [[0, 1], [2, 3]], 4096, check=True)
+    replies = {
+        0: {"ranks": [0, 1], "time_s": 1e-3, "wrong": 0},
+        1: {"ranks": [0, 1], "time_s": 3e-3, "wrong": 2},
+        2: {"ranks": [2, 3], "time_s": 4e-3, "wrong": 0},
+        3: {"ranks": [2, 3], "time_s": 4e-3, "wrong": 0},
+    }
+    rows = bench.aggregate(step, replies)
+    assert [r["ranks"] for r in rows] == [(0, 1), (2, 3)]
+    first = rows[0]
+    assert first["time_us"] == pytest.approx(2000.0)
+    assert first["count"] == 1024 and first["size_bytes"] == 4096
+    assert first["algbw_gbps"] == pytest.approx(4096 / 1e9 / 2e-3)
+    assert first["busbw_gbps"] == pytest.approx(first["algbw_gbps"] * 1.0)  # 2(n-1)/n, n=2
+    assert [r["wrong"] for r in rows] == [2, 0]
+    df = bench.to_frame(rows, check=True)
+    assert list(df.columns) == [*bench.COLUMNS, "wrong"]
+    table = bench.format_table(df)
+    assert "busbw" in table and "#wrong" in table and "Avg bus bandwidth" in table
+    assert "      4096          1024   float32" in table
+
+
+def test_group_kinds_and_partitions():
+    layout = ParallelLayout(8, tp=2, cp=2)
+    assert bench.normalize_group_kind(layout, "dp-cp") == "cp-dp"
+    assert bench.group_partition(layout, "world") == [list(range(8))]
+    assert bench.group_partition(layout, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert bench.group_partition(layout, "chunks:3") == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    for bad in ("bogus", "chunks:0", "chunks:x"):
+        with pytest.raises(DistUsageError, match="chunks:N"):
+            bench.normalize_group_kind(layout, bad)
+
+
+def test_collective_and_dtype_names():
+    assert bench.check_collectives(None) == ["all_reduce"]
+    assert bench.check_collectives(["all"]) == list(bench.COLLECTIVES)
+    with pytest.raises(DistUsageError, match="p2p is a mode"):
+        bench.check_collectives(["all_reduce", "p2p"])
+    assert bench.resolve_dtype("bf16") == "bfloat16"
+    assert bench.resolve_dtype("float") == "float32"
+    with pytest.raises(DistUsageError, match="float32"):
+        bench.resolve_dtype("complex7")
+
+
+# --------------------------------------------------------------------------- 4 CPU ranks
+
+
+def test_sweep_world_and_tp_all_collectives_checked(session4):
+    df = bench.run_bench(
+        session4, "all", ["world", "tp"], "1K:4K", iters=3, warmup=1, check=True, progress=False
+    )
+    assert len(df) == 7 * (1 + 2) * 3  # collectives x (world + two tp groups) x sizes
+    assert set(df["collective"]) == set(bench.COLLECTIVES)
+    world, tp = df[df["group"] == "world"], df[df["group"] == "tp"]
+    assert set(world["ranks"]) == {(0, 1, 2, 3)} and set(world["group_size"]) == {4}
+    assert set(tp["ranks"]) == {(0, 1), (2, 3)} and set(tp["group_size"]) == {2}
+    assert (df["wrong"] == 0).all(), df[df["wrong"] != 0]
+    assert (df["time_us"] > 0).all() and (df["algbw_gbps"] > 0).all()
+    for r in df.itertuples():
+        assert r.algbw_gbps == pytest.approx(r.size_bytes / 1e9 / (r.time_us * 1e-6))
+        factor = bench.bus_factor(r.collective, r.group_size)
+        assert r.busbw_gbps == pytest.approx(r.algbw_gbps * factor)
+    ag = world[(world["collective"] == "all_gather") & (world["size_bytes"] == 1024)]
+    assert ag["count"].tolist() == [64]  # 1K of float32 over 4 ranks
+    assert df.attrs["timer"] == "perf_counter" and df.attrs["iters"] == 3
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "send_recv"])
+def test_check_catches_a_corrupted_rank(session4, collective):
+    df = bench.run_bench(
+        session4, collective, "tp", "1K", iters=1, warmup=0, check=True, progress=False,
+        corrupt_rank=1,
+    )  # fmt: skip
+    wrong = dict(zip(df["ranks"], df["wrong"]))
+    assert wrong[(0, 1)] > 0  # rank 1's group sees the bad element
+    assert wrong[(2, 3)] == 0
+
+
+def test_chunks_groups_last_may_be_shorter(session4):
+    df = bench.run_bench(
+        session4, ["all_reduce", "send_recv"], "chunks:3", "2K", iters=2, warmup=1,
+        check=True, progress=False,
+    )  # fmt: skip
+    assert sorted(set(df["ranks"])) == [(0, 1, 2), (3,)]
+    assert (df["wrong"] == 0).all()
+    single = df[df["ranks"] == (3,)]
+    assert (single[single["collective"] == "all_reduce"]["busbw_gbps"] == 0).all()  # 2(n-1)/n
+
+
+def test_p2p_matrix(session4):
+    m = bench.run_p2p(session4, "64K", iters=3, warmup=1, progress=False)
+    assert m.shape == (4, 4) and m.index.name == "src" and m.columns.name == "dst"
+    for s in range(4):
+        for d in range(4):
+            assert math.isnan(m.loc[s, d]) if s == d else m.loc[s, d] > 0
+    assert m.attrs["size_bytes"] == 65536
+
+
+def test_bad_requests_fail_before_running(session4):
+    with pytest.raises(DistUsageError, match="tp"):
+        bench.run_bench(session4, "all_reduce", "xp", "1K", progress=False)
+    with pytest.raises(DistUsageError, match="iters"):
+        bench.run_bench(session4, "all_reduce", "world", "1K", iters=0, progress=False)
+
+
+# --------------------------------------------------------------------------- the magic
+
+
+def test_dist_bench_magic_in_a_kernel(kernel):
+    cell = kernel.run("%dist_start --nprocs 4 --tp 2", timeout=180)
+    assert "4 ranks ready" in text_of(cell)
+    cell = kernel.run("%dist_bench all_reduce --group world tp --sizes 1K:4K --iters 3 -o df")
+    text = text_of(cell)
+    assert "Avg bus bandwidth" in text and "busbw" in text
+    assert any("image/png" in out.get("data", {}) for out in cell.outputs)
+    cell = kernel.run("print(len(df), sorted(set(df.group)), sorted(set(df.ranks)))")
+    assert text_of(cell).strip() == "9 ['tp', 'world'] [(0, 1), (0, 1, 2, 3), (2, 3)]"
+    cell = kernel.run("%dist_bench p2p --sizes 16K --iters 2 -o m")
+    assert any("image/png" in out.get("data", {}) for out in cell.outputs)
+    cell = kernel.run("print(m.shape, int(m.notna().sum().sum()))")
+    assert text_of(cell).strip() == "(4, 4) 12"
+    cell = kernel.run("%dist_bench all_reduce --group xp", allow_error=True)
+    assert "DistUsageError" in text_of(cell) and "chunks:N" in text_of(cell)
+
+
+# --------------------------------------------------------------------------- GPU
+
+GPU_SCRIPT = textwrap.dedent(
+    """
+    import infini_notebook
+    from infini_notebook import bench
+
+    session = infini_notebook.start(gpus=1)
+    try:
+        assert session.plan.backend == "nccl", session.plan.backend
+        df = bench.run_bench(session, "all", "world", "4K:1M", iters=5, warmup=2,
+                             check=True, progress=False)
+        assert df.attrs["timer"] == "cuda_event", df.attrs
+        assert len(df) == 7 * 9 and (df["wrong"] == 0).all(), df
+        assert (df["time_us"] > 0).all()
+        print(bench.format_table(df))
+        print("GPU-BENCH-OK")
+    finally:
+        session.stop()
+    """
+)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs CUDA")
+def test_gpu_sweep_with_cuda_events():
+    # A process of its own: one session per process, and session4 may be alive in this one.
+    proc = subprocess.run(
+        [sys.executable, "-c", GPU_SCRIPT],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert "GPU-BENCH-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,0 +1,304 @@
+"""Widgets and their fallbacks (issue 5): tiles, group colors, live state, benchmark figures."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pandas as pd
+import pytest
+from conftest import text_of
+
+from infini_notebook import viz
+from infini_notebook.cluster import RankState
+from infini_notebook.groups import ParallelLayout
+
+WIDGET = viz.WIDGET_MIME
+
+
+# --------------------------------------------------------------------------- grid (pure)
+
+
+@pytest.mark.parametrize(
+    "kw, cols, rows, shape",
+    [
+        ({"world_size": 4, "tp": 2}, ("tp",), ("dp",), (2, 2)),
+        ({"world_size": 64, "tp": 8, "pp": 2, "order": "tp-cp-pp-dp"}, ("tp",), ("pp", "dp"),
+         (8, 8)),
+        ({"world_size": 8, "tp": 2, "pp": 2}, ("tp", "dp"), ("pp",), (2, 4)),
+        ({"world_size": 8}, ("dp",), (), (1, 8)),
+        ({"world_size": 32}, ("dp",), (), (2, 16)),
+        ({"world_size": 1}, (), (), (1, 1)),
+    ],
+)  # fmt: skip
+def test_grid_shape_keeps_ranks_in_reading_order(kw, cols, rows, shape):
+    layout = ParallelLayout(**kw)
+    g = viz.grid_shape(layout)
+    assert (g.col_dims, g.row_dims, (g.nrows, g.ncols)) == (cols, rows, shape)
+    for r in range(layout.world_size):  # the tile at (row, col) is the rank with those coords
+        row, col = g.cell(r)
+        c = layout.coords(r)
+        if g.row_dims:
+            assert viz.row_label(layout, g, row) == " ".join(
+                f"{d}{c[d]}" for d in reversed(g.row_dims)
+            )
+        if g.row_dims or layout.world_size == g.ncols:
+            assert viz.col_label(layout, g, col) == (
+                " ".join(f"{d}{c[d]}" for d in reversed(g.col_dims)) or "rank"
+            )
+
+
+def test_planning_layout_rows_dp_pp_columns_tp():
+    layout = ParallelLayout(64, tp=8, pp=2, order="tp-cp-pp-dp")
+    text = viz.layout_text(layout, "tp")
+    lines = text.splitlines()
+    assert lines[1].split() == [f"tp{i}" for i in range(8)]
+    assert lines[2].startswith("dp0 pp0") and lines[3].startswith("dp0 pp1")
+    assert lines[2].split()[2:4] == ["r0", "A"] and "r63" in lines[9]
+
+
+def test_tiles_colored_by_group_kind():
+    layout = ParallelLayout(4, tp=2)
+    by_tp = [t.color for t in viz.group_tiles(layout, "tp")]
+    by_dp = [t.color for t in viz.group_tiles(layout, "dp")]
+    assert by_tp[0] == by_tp[1] != by_tp[2] == by_tp[3]
+    assert by_dp[0] == by_dp[2] != by_dp[1] == by_dp[3]
+    many = ParallelLayout(64, tp=4)  # 16 tp groups: neighbours always differ
+    colors = [t.color for t in viz.group_tiles(many, "tp")]
+    assert len({colors[g * 4] for g in range(16)}) == 16
+
+
+def test_selection_outlines_all_groups_of_the_rank():
+    layout = ParallelLayout(8, tp=2, pp=2)
+    tiles = viz.group_tiles(layout, "tp", selected=5)
+    assert tiles[5].selected and tiles[4].in_selected_group  # tp group [4, 5]
+    assert tiles[7].shared == ("dp",) and tiles[1].shared == ("pp",)
+    assert tiles[0].dim and not tiles[1].dim
+    text = viz.selection_text(layout, 5, "tp")
+    assert "rank 5 (tp1 dp0 pp1)" in text
+    assert "tp: [4,5]" in text and "dp: [5,7]" in text and "pp: [1,5]" in text
+
+
+def test_groups_spanning_hosts_are_marked():
+    layout = ParallelLayout(16, tp=4, order="tp-cp-pp-dp")
+    hosts = viz.hosts_by_block(16, 8)
+    assert viz.spanning_groups(layout.groups("tp"), hosts) == set()
+    assert viz.spanning_groups(layout.groups("dp"), hosts) == {0, 1, 2, 3}
+    tiles = viz.group_tiles(layout, "dp", hosts)
+    assert all(t.spans_hosts for t in tiles) and viz.SPANS_HOSTS in tiles[0].label
+    assert "host1" in tiles[8].label
+    assert "span hosts" in viz.layout_html(layout, "dp", hosts)
+    assert viz.SPANS_HOSTS in viz.layout_text(layout, "dp", hosts)
+    assert viz.SPANS_HOSTS not in viz.layout_text(layout, "tp", hosts)
+
+
+def test_static_fallbacks_name_every_rank_with_coords():
+    layout = ParallelLayout(8, tp=2, pp=2)
+    page = viz.layout_html(layout, "dp")
+    for r in range(8):
+        coords = viz.coords_label(layout.coords(r), layout)
+        tile = re.search(rf'data-rank="{r}"[^>]*>([^<]*)<', page).group(1)
+        assert tile.startswith(f"rank {r}\n{coords}")
+    bundle = viz.layout_mimebundle(layout)
+    assert set(bundle) == {"text/html", "text/plain"}
+    assert "colored by tp" in bundle["text/html"]
+
+
+# --------------------------------------------------------------------------- group grid widget
+
+
+def test_group_grid_widget_recolors_and_selects_on_click():
+    layout = ParallelLayout(4, tp=2)
+    grid = viz.GroupGrid(layout)
+    assert grid.kind == "tp" and len(grid.tiles) == 4
+    assert [t.style.button_color for t in grid.tiles] == [t.color for t in grid.tile_views()]
+    assert grid.tiles[0].style.button_color == grid.tiles[1].style.button_color
+    grid.color_by.value = "dp"
+    colors = [t.style.button_color for t in grid.tiles]
+    assert colors[0] == colors[2] != colors[1]
+    assert "dp groups" in grid.legend.value
+    grid.tiles[3].click()  # a user's click
+    assert grid.selected == 3 and "rank 3 (tp1 dp1)" in grid.info.value
+    assert grid.tiles[3].layout.border.startswith("3px solid")
+    assert grid.tiles[1].layout.border.startswith("3px dashed")  # dp group [1, 3]
+    assert grid.tiles[3].description.startswith("rank 3\ntp1 dp1")
+    grid.tiles[3].click()  # clicking again clears the selection
+    assert grid.selected is None
+    bundle = grid._repr_mimebundle_()
+    assert WIDGET in bundle and "infini-group-tile" in bundle["text/html"]
+    assert "r3 B" in bundle["text/plain"]
+    grid.close()
+
+
+# --------------------------------------------------------------------------- rank status
+
+
+def fake_state(rank: int, state: str = "idle", **kw) -> RankState:
+    coords = {"tp": rank % 2, "cp": 0, "dp": rank // 2, "pp": 0}
+    base = dict(pid=100 + rank, host="node0", device="cpu", device_name="cpu", coords=coords)
+    return RankState(rank=rank, state=state, **{**base, **kw})
+
+
+def test_status_tile_shows_gpu_memory_and_dead_exit_code():
+    gpu = fake_state(1, "busy", device="cuda:0", device_name="NVIDIA H100", memory_used=3 << 30)
+    tile = viz.status_tile_html(gpu, ParallelLayout(4, tp=2))
+    assert "infini-state-busy" in tile and "NVIDIA H100 · 3.0 GiB used" in tile
+    assert "rank 1" in tile and "tp1 dp0" in tile and "pid 101" in tile
+    dead = viz.status_tile_html(fake_state(2, "dead", exit_code=-9))
+    assert "dead (exit -9)" in dead and viz.STATE_COLORS["dead"] in dead
+    states = [fake_state(r, s) for r, s in enumerate(["idle", "busy", "busy", "error"])]
+    assert viz.status_summary(states) == "4 ranks: 2 busy, 1 error, 1 idle"
+    text = viz.status_text(states, ParallelLayout(4, tp=2))
+    assert re.search(r"3\s+error\s+tp1 dp1\s+node0\s+103\s+cpu", text)
+
+
+def test_status_widget_follows_a_running_cell(session4):
+    widget = viz.StatusWidget(session4, interval=0.1)
+    try:
+        assert len(widget.tiles) == 4 and widget.states == ["idle"] * 4 and widget.live
+        for r, tile in enumerate(widget.tiles):
+            coords = viz.coords_label(session4.layout.coords(r), session4.layout)
+            assert f"<b>rank {r}</b> &nbsp;{coords}" in tile.value
+        run = threading.Thread(
+            target=session4.run, args=("import time; time.sleep(2)",), kwargs={"echo": False}
+        )
+        run.start()
+        seen = wait_for(lambda: widget.states == ["busy"] * 4, 5)
+        assert seen, widget.states
+        assert "infini-state-busy" in widget.tiles[0].value
+        assert "4 ranks: 4 busy" in widget.summary.value
+        run.join(30)
+        assert wait_for(lambda: widget.states == ["idle"] * 4, 5), widget.states
+    finally:
+        widget.close()
+    assert not widget.live
+    assert not [t for t in threading.enumerate() if t.name == "infini-status"]
+
+
+def test_session_value_shows_status_with_fallbacks(session4):
+    bundle = viz.session_mimebundle(session4)  # no kernel here: static renders only
+    assert WIDGET not in bundle
+    assert bundle["text/plain"].startswith("<infini_notebook.Session running: 4 ranks")
+    assert bundle["text/html"].count('class="infini-rank-tile') == 4
+    for r in range(4):
+        assert re.search(rf"\n\s+{r}\s+idle\s+tp{r % 2} dp{r // 2}", bundle["text/plain"])
+    assert session4._repr_mimebundle_() == bundle
+
+
+def test_shared_status_widget_stops_with_its_session():
+    class FakeSession:  # just what StatusWidget reads
+        world_size = 2
+        layout = ParallelLayout(2, tp=2)
+        running = True
+
+        def status(self):
+            state = "idle" if self.running else "stopped"
+            return [fake_state(r, state, coords={"tp": r, "cp": 0, "dp": 0, "pp": 0})
+                    for r in range(2)]  # fmt: skip
+
+    session = FakeSession()
+    first = viz.status_widget(session, interval=0.05)
+    assert viz.status_widget(session) is first and first.live
+    session.running = False
+    assert wait_for(lambda: not first.live, 2)
+    assert first.states == ["stopped", "stopped"]
+    viz.close_status_widgets()
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def bench_frame() -> pd.DataFrame:
+    """Rows shaped like bench.run_bench's: two tp groups, one world group, two collectives."""
+    rows = []
+    for coll in ("all_reduce", "all_gather"):
+        for size in (1024, 4096, 16384):
+            for group, ranks, bw in (
+                ("tp", [0, 1], 1.0),
+                ("tp", [2, 3], 1.5),
+                ("world", [0, 1, 2, 3], 0.5),
+            ):  # noqa: E501
+                busbw = bw * size / 16384
+                rows.append(dict(collective=coll, group=group, ranks=ranks, group_size=len(ranks),
+                                 size_bytes=size, count=size // 4, dtype="float32", time_us=10.0,
+                                 algbw_gbps=busbw / 2, busbw_gbps=busbw))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_plot_busbw_one_panel_per_collective_one_line_per_group():
+    fig = viz.plot_busbw(bench_frame())
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["all_reduce", "all_gather"]
+    tp, world = panels[0].get_lines()
+    assert list(tp.get_ydata()) == pytest.approx([1.25 / 16, 1.25 / 4, 1.25])  # mean of groups
+    assert list(world.get_xdata()) == [1024, 4096, 16384]
+    assert panels[0].get_ylabel() == "busbw (GB/s)"
+
+
+def test_bench_view_controls_redraw():
+    view = viz.bench_view(bench_frame())
+    assert view.collective.options == ("all_reduce", "all_gather")
+    assert view.group.options == ("all", "tp", "world")
+    assert len(view.figure.axes[0].get_lines()) == 2 and view.image.value[:4] == b"\x89PNG"
+    view.group.value = "world"
+    assert len(view.figure.axes[0].get_lines()) == 1
+    view.metric.value = "algbw_gbps"
+    assert view.figure.axes[0].get_ylabel() == "algbw (GB/s)"
+    assert view.figure.axes[0].get_lines()[0].get_ydata()[-1] == pytest.approx(0.25)
+    view.collective.value = "all_gather"
+    assert view.figure.axes[0].get_title() == "all_gather"
+    bundle = view._repr_mimebundle_()
+    assert WIDGET in bundle and bundle["text/html"].startswith('<img class="infini-figure"')
+    assert "all_gather" in bundle["text/plain"] and "16K" in bundle["text/plain"]
+    view.close()
+
+
+def test_p2p_heatmap_masks_the_diagonal():
+    m = pd.DataFrame([[float("nan"), 2.0], [1.0, float("nan")]])
+    m.index.name, m.columns.name = "src", "dst"
+    m.attrs["size_bytes"] = 1 << 20
+    fig = viz.p2p_heatmap(m)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "dst rank" and ax.get_title() == "send/recv bandwidth, 1MB"
+    assert sorted(t.get_text() for t in ax.texts) == ["1", "2"]
+    view = viz.bench_view(bench_frame(), p2p=m)
+    assert sum(isinstance(c, viz.widgets.Image) for c in view.children) == 2
+    view.close()
+
+
+# --------------------------------------------------------------------------- in a real kernel
+
+
+def test_groups_magic_plans_without_a_session(kernel):
+    plan = "--world 64 --tp 8 --pp 2 --order tp-cp-pp-dp --ranks-per-host 8"
+    cell = kernel.run(f"%dist_groups {plan}")
+    data = cell.outputs[0]["data"]
+    assert WIDGET in data and data["text/html"].count('class="infini-group-tile"') == 64
+    assert data["text/plain"].splitlines()[2].startswith("dp0 pp0")
+    cell = kernel.run("%dist_groups --world 16 --tp 4 --color-by dp --ranks-per-host 8")
+    assert "span hosts" in cell.outputs[0]["data"]["text/html"]
+    bad = kernel.run("%dist_groups --world 6 --tp 4", allow_error=True)
+    assert "not divisible" in text_of(bad)
+    bad = kernel.run("%dist_groups", allow_error=True)
+    assert "%dist_groups --world" in text_of(bad)
+
+
+def test_status_magic_and_session_value_show_the_widget(kernel):
+    kernel.run("%dist_start --nprocs 2 --tp 2 --timeout 30", timeout=180)
+    for source in ("%dist_status", "dist_session"):
+        cell = kernel.run(source)
+        data = cell.outputs[-1]["data"]
+        assert WIDGET in data, source
+        assert data["text/html"].count('class="infini-rank-tile') == 2
+        assert re.search(r"1\s+idle\s+tp1", data["text/plain"])
+    kernel.run("%dist_stop")
