@@ -153,11 +153,11 @@ class Session:
         port = method.port if method.kind == "tcp" else 0
         try:
             sock = socket.create_server((host, port), backlog=1024)
-            self._store_socket = sock
             port = sock.getsockname()[1]
             self._store = dist.TCPStore(
                 host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
             )
+            sock.detach()  # the store owns the descriptor now and closes it
         except Exception as e:  # port taken, address not ours
             raise DistUsageError(
                 f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -279,9 +279,6 @@ class Session:
             self._kill_leftovers()
             self._cluster = None
         self._store = None  # the TCPStore server closes with its last reference
-        if getattr(self, "_store_socket", None) is not None:
-            self._store_socket.close()
-            self._store_socket = None
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self.plan.init_method.kind == "file":
             _remove_quietly(self.plan.init_method.path)
