@@ -287,7 +287,7 @@ def format_table(df: pd.DataFrame) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
-def p2p_frame(times: dict[tuple[int, int], list[float]], world: int, size: int):
+def p2p_frame(times: dict[tuple[int, int], list[float]], world: int, size: int) -> pd.DataFrame:
     """{(src, dst): [seconds per iteration, from src and dst]} -> src x dst GB/s matrix."""
     import numpy as np
     import pandas as pd
@@ -549,6 +549,7 @@ def run_bench(
     (default), kinds of the session's layout ("tp", "cp-dp" ...) or "chunks:N"; sizes:
     "MIN:MAX" stepping by ``factor`` (default 4K:1G on GPUs, 1K:1M on CPU). Returns one row
     per (collective, group, size) with nccl-tests' size, count, time, algbw and busbw.
+    ``check`` adds a ``wrong`` column; ``corrupt_rank`` (tests) perturbs that rank's input.
     """
     collectives = check_collectives([collectives] if isinstance(collectives, str) else collectives)
     layout = session.layout

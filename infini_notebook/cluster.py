@@ -120,8 +120,7 @@ class Session:
         t0 = time.perf_counter()
         try:
             self._start_store()
-            self._start_engines(progress)
-            self._bootstrap()
+            self._launch(progress)
         except BaseException:
             self.stop()
             raise
@@ -129,6 +128,28 @@ class Session:
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
+
+    def _launch(self, progress: bool | None) -> None:
+        """Engines up, ranks bootstrapped, watchdog armed (also what a hard restart redoes)."""
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._start_engines(progress)
+        self._bootstrap()
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self._start_watchdog(started)
+
+    def _start_watchdog(self, procs: list[psutil.Process]) -> None:
+        """A small process that ends ours if this kernel dies, even by SIGKILL."""
+        import subprocess
+
+        def tag(p: psutil.Process) -> str:
+            return f"{p.pid}:{p.create_time()}"
+
+        args = [tag(psutil.Process())] + [tag(p) for p in procs if _alive(p)]
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "infini_notebook.watchdog", *args],
+            start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+            stdin=subprocess.DEVNULL,
+        )
 
     @property
     def world_size(self) -> int:
@@ -175,15 +196,31 @@ class Session:
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
-        self._cluster.start_controller_sync()
-        self._cluster.start_engines_sync(
-            self.world_size, environment={"OMP_NUM_THREADS": str(self.plan.threads_per_rank)}
+        self._in_loop(self._cluster.start_controller())
+        self._in_loop(
+            self._cluster.start_engines(
+                self.world_size,
+                environment={"OMP_NUM_THREADS": str(self.plan.threads_per_rank)},
+            )
         )
-        self._client = self._cluster.connect_client_sync()
+        self._client = self._in_loop(self._cluster.connect_client())
         self._client.wait_for_engines(self.world_size, timeout=120, interactive=progress)
         ids = sorted(self._client.ids)
         if ids != list(range(self.world_size)):
             raise RuntimeError(f"engine ids {ids} are not 0..{self.world_size - 1}")
+
+    def _in_loop(self, coro, timeout: float = 120):
+        """Run an ipyparallel coroutine on this session's own event loop thread. The loop
+        keeps running between calls, so the launchers' exit callbacks (which record each
+        engine's exit code) fire; ``*_sync`` wrappers would leave them on a stopped loop."""
+        import asyncio
+
+        if getattr(self, "_loop", None) is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=self._loop.run_forever, name="infini-session-loop", daemon=True
+            ).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def _engine_config(self, rank: int) -> dict:
         kernel = psutil.Process()
@@ -265,19 +302,10 @@ class Session:
         """End everything this session started: engines, controller, store. Idempotent."""
         global _current
         self.running = False
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:
-                pass
-            self._client = None
-        if self._cluster is not None:
-            try:
-                self._cluster.stop_cluster_sync()
-            except Exception as e:
-                log.warning("stopping the cluster: %s", e)
-            self._kill_leftovers()
-            self._cluster = None
+        self._stop_processes()
+        if getattr(self, "_loop", None) is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self.plan.init_method.kind == "file":
@@ -288,6 +316,89 @@ class Session:
             atexit.unregister(self.stop)
         except Exception:
             pass
+
+    def _stop_processes(self) -> None:
+        """Engines and controller (the store stays: it is the kernel's)."""
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None and watchdog.poll() is None:
+            watchdog.terminate()
+            watchdog.wait(5)
+        self._watchdog = None
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+        if self._cluster is not None:
+            try:
+                self._in_loop(self._cluster.stop_cluster())
+            except Exception as e:
+                log.warning("stopping the cluster: %s", e)
+            self._kill_leftovers()
+            self._cluster = None
+        self._pids = {}
+
+    # ----- recovery -----------------------------------------------------------------------
+    def restart(self, hard: bool = False) -> None:
+        """Soft: new process groups under a fresh store prefix on the same engines, keeping
+        every variable. Hard: new engines (variables are lost). A soft restart that cannot
+        work (a rank is dead, or stuck in native code) says so and names --hard."""
+        if self._cluster is None:
+            raise DistUsageError("No session to restart. Start one with %dist_start.")
+        self.attempt += 1
+        if hard:
+            self._stop_processes()
+            self._errored = set()
+            self._launch(progress=None)
+            self.running = True
+            return
+        self._require_running()
+        dead = self._dead_ranks(range(self.world_size))
+        if dead:
+            raise DistUsageError(
+                f"Cannot restart softly: {_dead_text(dead)}. Use %dist_restart --hard."
+            )
+        stuck = self._stuck_ranks()
+        if stuck:
+            raise DistUsageError(
+                f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
+                "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
+            )
+        pending = {
+            r: self._client[r].apply_async(engine.reinit_distributed, self.attempt)
+            for r in range(self.world_size)
+        }
+        try:
+            self._record_ranks(self._gather(pending, what="restart", timeout=60))
+        except DistCellError as e:
+            raise DistCellError(
+                f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
+            ) from None
+        self._errored = set()
+
+    def _stuck_ranks(self) -> list[int]:
+        """Ranks whose engine still has work queued or running."""
+        status = self._client.queue_status()
+        return [r for r in range(self.world_size) if status.get(r, {}).get("queue", 0) > 0]
+
+    def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
+        """Every thread's Python stack on each rank, taken by signal (faulthandler), so a
+        rank busy in a cell or stuck in a collective still answers."""
+        targets = parse_ranks(ranks, self.world_size)
+        offsets = {r: _file_size(self._stack_file(r)) for r in targets}
+        self.signal(signal.SIGUSR1, targets)
+        deadline = time.monotonic() + wait
+        out: dict[int, str] = {}
+        while time.monotonic() < deadline and len(out) < len(targets):
+            time.sleep(0.05)
+            for r in targets:
+                if r not in out and _file_size(self._stack_file(r)) > offsets[r]:
+                    time.sleep(0.05)  # let faulthandler finish writing
+                    out[r] = _read_from(self._stack_file(r), offsets[r])
+        for r in targets:
+            out.setdefault(r, "(no answer: the rank is dead or not started)")
+        return out
 
     def _kill_leftovers(self) -> None:
         """Engines the launcher could not stop: only the pids we recorded, checked by start
@@ -314,6 +425,9 @@ class Session:
         Raises DistCellError (labeled tracebacks) when any rank raised."""
         self._require_running()
         targets = parse_ranks(ranks, self.world_size)
+        dead = self._dead_ranks(targets)
+        if dead:
+            raise DistUsageError(f"{_dead_text(dead)}. Run %dist_restart --hard first.")
         labeler = StreamLabeler(collapse=collapse)
         if max_lines:
             labeler.max_lines = max_lines
@@ -333,9 +447,8 @@ class Session:
         self.last = result
         if result.errors:
             self._errored = set(result.errors)
-            raise DistCellError(
-                error_summary(result.errors, targets), self._last_tracebacks, sorted(result.errors)
-            )
+            summary = error_summary(result.errors, targets) + _advice(result.errors, targets)
+            raise DistCellError(summary, self._last_tracebacks, sorted(result.errors))
         self._errored -= set(targets)
         return result
 
@@ -384,26 +497,33 @@ class Session:
         return result
 
     def _interrupt(self, ar, targets) -> None:
-        """Stop button: SIGINT every running rank, escalate for ranks that ignore it."""
+        """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
+        code, such as a collective whose peers never came), show where they are and what to
+        do: they stay stuck until the collective timeout fires."""
         self.signal(signal.SIGINT, targets)
-        ar.wait(3)
-        if not ar.ready():
-            stuck = [r for r in targets if not _done(ar, targets, r)]
-            print(
-                f"{rank_label(stuck)} did not stop on SIGINT (stuck in native code, e.g. a "
-                "collective). Their process group may be broken: run %dist_restart, or "
-                "%dist_restart --hard to restart the engines.",
-                file=sys.stderr,
-            )
+        ar.wait(INTERRUPT_GRACE_S)
+        if ar.ready():
+            return
+        stuck = [r for r in targets if not _done(ar, targets, r)]
+        stacks = self.stacks(stuck)
+        report = "".join(
+            f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck
+        )
+        print(
+            f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck in "
+            f"native code (stacks above). They stay busy until the {self.plan.timeout:.0f} s "
+            "collective timeout fires; then %dist_restart rebuilds the process groups and "
+            "keeps your variables. %dist_restart --hard restarts the engines now.",
+            file=sys.stderr,
+        )
 
     def _fail_dead(self, ar, targets, dead: dict[int, str]) -> None:
         alive = [r for r in targets if r not in dead]
         self.signal(signal.SIGINT, alive)  # don't leave survivors waiting on the dead
         for r in dead:
             self._errored.add(r)
-        summary = "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
         raise DistCellError(
-            f"{summary}. The other ranks were interrupted. "
+            f"{_dead_text(dead)}. The other ranks were interrupted. "
             "Run %dist_restart --hard to bring the session back (variables are lost).",
             ranks=sorted(dead),
         )
@@ -570,6 +690,56 @@ def _remote_traceback(e: BaseException) -> str:
         except Exception:
             pass
     return _one_line(e)
+
+
+INTERRUPT_GRACE_S = 3.0
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _advice(errors: dict[int, str], targets: list[int]) -> str:
+    """What to do next, for failures that leave the process groups unusable."""
+    if any(w in e.lower() for e in errors.values() for w in _TIMEOUT_WORDS):
+        finished = [r for r in targets if r not in errors]
+        who = f"; {rank_label(finished)[1:-1]} had finished" if finished else ""
+        return (
+            f". A collective timed out: {rank_label(sorted(errors))[1:-1]} waited for peers "
+            f"that never joined{who}. Their tracebacks show where. The process groups are "
+            "likely broken: run %dist_restart (keeps variables)."
+        )
+    return ""
+
+
+def _dead_text(dead: dict[int, str]) -> str:
+    return "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
+
+
+def main_thread_stack(dump: str) -> str:
+    """From a faulthandler dump of every thread, the block of the thread that runs the cell
+    (the one faulthandler calls 'Current thread', else the longest)."""
+    blocks = [b for b in dump.strip().split("\n\n") if b.strip()]
+    if not blocks:
+        return dump
+    current = [b for b in blocks if b.lstrip().startswith("Current thread")]
+    block = (current or sorted(blocks, key=len))[-1]
+    # Most recent call first: the frames below IPython's run_code are engine plumbing.
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        if "IPython/core/interactiveshell.py" in line:
+            return "\n".join(lines[:i])
+    return block
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
 
 
 def _alive(proc: psutil.Process) -> bool:

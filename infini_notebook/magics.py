@@ -6,6 +6,8 @@ tests can do without IPython whatever a notebook does.
 
 from __future__ import annotations
 
+import time
+
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -114,6 +116,34 @@ class DistMagics(Magics):
         session.stop()
         self.shell.user_ns.pop("dist_session", None)
         print("Session stopped.")
+
+    @magic_arguments()
+    @argument("--hard", action="store_true", help="restart the engines (variables are lost)")
+    @line_magic
+    def dist_restart(self, line: str):
+        """Rebuild the process groups under a fresh store prefix, keeping variables.
+
+        Use after a failed or timed-out collective. --hard restarts the engines themselves,
+        for a dead rank or one stuck in native code.
+        """
+        args = parse_argstring(self.dist_restart, line)
+        session = _session()
+        t0 = time.perf_counter()
+        session.restart(hard=args.hard)
+        how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
+        print(f"Restarted ({how}) in {time.perf_counter() - t0:.1f}s.")
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="ranks to show (default all)")
+    @argument("--all-threads", action="store_true", help="every thread, not only the cell's")
+    @line_magic
+    def dist_stacks(self, line: str):
+        """Show where each rank is now: its Python stack, taken by signal (works while a rank
+        is stuck in a collective)."""
+        args = parse_argstring(self.dist_stacks, line)
+        for rank, dump in _session().stacks(args.ranks).items():
+            text = dump if args.all_threads else cluster.main_thread_stack(dump)
+            print(f"[rank {rank}]\n{text.rstrip()}\n")
 
     @line_magic
     def dist_status(self, line: str):

@@ -60,6 +60,7 @@ CSS = """
 .infini-rank-tile .infini-muted { color: #666; }
 .infini-group-tile.jupyter-button { white-space: pre; height: auto; line-height: 1.35;
   padding: 6px 4px; font-size: 12px; border-radius: 6px; }
+.infini-group-tile.infini-dim { opacity: 0.35; }
 .infini-grid-head { font-size: 12px; color: #444; font-weight: 600; text-align: center;
   align-self: center; }
 .infini-title { font-size: 13px; font-weight: 600; margin: 2px 0 4px 0; }
@@ -213,7 +214,7 @@ def group_tiles(
         if multi_host:
             lines.append(hosts[r])
         if selected is not None and r != selected:
-            lines.append("= " + " ".join(shared) if shared else " ")
+            lines.append("same " + " ".join(shared) if shared else " ")
         elif r == selected:
             lines.append("selected")
         mark = f" {SPANS_HOSTS}" if index[r] in spanning else ""
@@ -255,7 +256,7 @@ def groups_legend(layout: ParallelLayout, kind: str, hosts: Sequence[str] | None
         else ""
     )
     return (
-        f'<div style="font-size:12px"><b>{_esc(kind)} groups</b> ({len(groups)} of '
+        f'<div style="font-size:12px"><b>{_esc(kind)} groups</b> ({len(groups)} groups of '
         f"{layout.kind_size(kind)} ranks): {''.join(items)}{more}{note}</div>"
     )
 
@@ -266,7 +267,8 @@ def selection_text(layout: ParallelLayout, rank: int | None, color_by: str) -> s
         return "Click a rank to outline all its groups."
     coords = coords_label(layout.coords(rank), layout)
     parts = [f"{k}: {_ranks_text(layout.group_of(rank, k))}" for k in focus_kinds(layout, color_by)]
-    return f"rank {rank} ({coords}) is in  " + "   ".join(parts)
+    key = f"(solid: selected, dashed: its {color_by} group, dotted: shares another group)"
+    return f"rank {rank} ({coords}) is in  " + "   ".join(parts) + f"   {key}"
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -278,7 +280,8 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def _tile_css(tile: GroupTile) -> dict[str, str]:
-    """Border and text color for a tile: selected solid, its group dashed, unrelated faded."""
+    """Border for a tile: selected solid, its group dashed, other shared groups dotted,
+    groups that span hosts red; tiles unrelated to the selection fade (``opacity``)."""
     border = "1px solid #bbb"
     if tile.selected:
         border = "3px solid #111"
@@ -286,9 +289,9 @@ def _tile_css(tile: GroupTile) -> dict[str, str]:
         border = "3px dashed #111"
     elif tile.shared:
         border = "2px dotted #333"
-    if tile.spans_hosts and not (tile.selected or tile.in_selected_group):
+    if tile.spans_hosts and not (tile.selected or tile.in_selected_group or tile.shared):
         border = "2px solid #c0392b"
-    return {"border": border, "color": "#aaa" if tile.dim else "#111"}
+    return {"border": border, "opacity": "0.35" if tile.dim else "1"}
 
 
 def layout_html(
@@ -312,7 +315,7 @@ def layout_html(
             css = _tile_css(tile)
             cells.append(
                 f'<td><div class="infini-group-tile" data-rank="{tile.rank}" '
-                f'style="background:{tile.color};border:{css["border"]};color:{css["color"]}">'
+                f'style="background:{tile.color};border:{css["border"]};opacity:{css["opacity"]}">'
                 f"{_esc(tile.label)}</div></td>"
             )
         label = _esc(row_label(layout, shape, row))
@@ -432,7 +435,7 @@ class GroupGrid(widgets.VBox):
             tile.description = view.label
             tile.tooltip = f"rank {view.rank}: {self.kind} group {_group_name(view.group)}"
             tile.style.button_color = view.color
-            tile.style.text_color = css["color"]
+            (tile.add_class if view.dim else tile.remove_class)("infini-dim")
             tile.style.font_weight = "bold" if view.selected else "normal"
             tile.layout.border = css["border"]
         self.legend.value = groups_legend(self.layout_, self.kind, self.hosts)
@@ -660,6 +663,7 @@ def session_mimebundle(session: Session) -> dict:
 
 # --------------------------------------------------------------------------- benchmarks
 
+FIGURE_DPI = 100
 METRICS = {"busbw_gbps": "busbw (GB/s)", "algbw_gbps": "algbw (GB/s)"}
 
 
@@ -764,7 +768,7 @@ def p2p_heatmap(matrix: Any, title: str | None = None) -> Figure:
     return fig
 
 
-def figure_png(fig: Figure, dpi: int = 100) -> bytes:
+def figure_png(fig: Figure, dpi: int = FIGURE_DPI) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
@@ -803,7 +807,9 @@ class BenchView(widgets.VBox):
         self.figure: Figure | None = None
         children = [widgets.HBox([self.collective, self.group, self.metric]), self.image]
         if p2p is not None:
-            heat = widgets.Image(value=figure_png(p2p_heatmap(p2p)), format="png")
+            heat_fig = p2p_heatmap(p2p)
+            heat = widgets.Image(value=figure_png(heat_fig), format="png")
+            heat.layout.width = f"{int(heat_fig.get_figwidth() * FIGURE_DPI)}px"
             heat.add_class("infini-figure")
             children.append(heat)
         super().__init__(children)
@@ -817,6 +823,8 @@ class BenchView(widgets.VBox):
             self.df, self.collective.value, self.metric.value, self.group.value
         )
         self.image.value = figure_png(self.figure)
+        width = int(self.figure.get_figwidth() * FIGURE_DPI)
+        self.image.layout.width = f"{width}px"  # natural size: a stretched PNG reads badly
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         bundle = super()._repr_mimebundle_(**kwargs) or {}

@@ -122,9 +122,11 @@ def test_group_grid_widget_recolors_and_selects_on_click():
     assert grid.selected == 3 and "rank 3 (tp1 dp1)" in grid.info.value
     assert grid.tiles[3].layout.border.startswith("3px solid")
     assert grid.tiles[1].layout.border.startswith("3px dashed")  # dp group [1, 3]
+    assert "infini-dim" in grid.tiles[0]._dom_classes  # shares no group with rank 3
+    assert "infini-dim" not in grid.tiles[2]._dom_classes  # tp group [2, 3]
     assert grid.tiles[3].description.startswith("rank 3\ntp1 dp1")
     grid.tiles[3].click()  # clicking again clears the selection
-    assert grid.selected is None
+    assert grid.selected is None and "infini-dim" not in grid.tiles[0]._dom_classes
     bundle = grid._repr_mimebundle_()
     assert WIDGET in bundle and "infini-group-tile" in bundle["text/html"]
     assert "r3 B" in bundle["text/plain"]

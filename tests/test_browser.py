@@ -1,0 +1,242 @@
+"""The widgets as a user sees them: JupyterLab in headless Chromium (Debian's, not a
+downloaded one) runs a notebook that starts 4 CPU ranks with --tp 2, shows %dist_status,
+%dist_groups and a small %dist_bench, then a cell that keeps the ranks busy.
+
+Set-up: scripts/install_browser.sh (chromium from apt; jupyterlab and playwright from pip).
+Screenshots land in the test's tmp dir and in out/browser/ at the repo root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import nbformat
+import psutil
+import pytest
+from conftest import REPO
+
+CHROMIUM = "/usr/bin/chromium"
+OUT = os.path.join(REPO, "out", "browser")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM),
+        reason=f"{CHROMIUM} missing: run scripts/install_browser.sh (apt chromium)",
+    ),
+]
+
+CELLS = [
+    "%load_ext infini_notebook",
+    "%dist_start --nprocs 4 --tp 2 --timeout 60",
+    "%dist_status",
+    "%dist_groups",
+    "%dist_bench all_reduce --group world tp --sizes 1K:64K --iters 5 --warmup 1 -o df",
+    "from infini_notebook import viz\nviz.bench_view(df)",
+    "%%dist\nimport time\ntime.sleep(8)",
+]
+# JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+}
+
+
+def test_widgets_render_in_jupyterlab(tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    write_notebook(tmp_path / "widgets.ipynb")
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with jupyter_lab(tmp_path) as url, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1000})
+            page.goto(f"{url}/lab/tree/widgets.ipynb?reset&token={url.token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            wait_kernel_idle(page)
+            run_all_cells(page)
+            check_outputs(page, shots)
+        finally:
+            browser.close()
+    os.makedirs(OUT, exist_ok=True)
+    for png in shots.iterdir():
+        shutil.copy(png, OUT)
+
+
+def check_outputs(page, shots) -> None:
+    tiles = page.locator(".infini-status .infini-rank-tile")
+    tiles.nth(3).wait_for(timeout=120_000)
+    assert tiles.count() == 4
+    for r in range(4):
+        text = tiles.nth(r).inner_text()
+        assert f"rank {r}" in text and f"tp{r % 2} dp{r // 2}" in text, text
+    grid = page.locator(".infini-groups .infini-group-tile")
+    grid.nth(3).wait_for(timeout=30_000)
+    assert grid.count() == 4
+    plot = page.locator(".jp-OutputArea-output img").first  # %dist_bench's figure
+    plot.wait_for(timeout=120_000)
+    view = page.locator(".infini-bench img.infini-figure")
+    view.wait_for(timeout=60_000)
+    assert natural_width(plot) > 300 and natural_width(view) > 300
+
+    # The last cell sleeps on every rank: the tiles turn busy while it runs, then idle.
+    page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=60_000)
+    status = page.locator(".jp-OutputArea-output:has(.infini-status)").first
+    status.scroll_into_view_if_needed()
+    status.screenshot(path=str(shots / "status_busy.png"))
+    page.locator(".infini-status .infini-state-idle").nth(3).wait_for(timeout=60_000)
+
+    grid.nth(0).click()  # select rank 0: its groups get outlined
+    page.wait_for_function(
+        "() => document.querySelector('.infini-groups').innerText.includes('rank 0 (tp0 dp0)')"
+    )
+    for name, selector in [
+        ("status", ".jp-OutputArea-output:has(.infini-status)"),
+        ("groups", ".jp-OutputArea-output:has(.infini-groups)"),
+        ("bench", ".jp-OutputArea-output:has(img)"),
+        ("bench_view", ".jp-OutputArea-output:has(.infini-bench)"),
+    ]:
+        element = page.locator(selector).first
+        element.scroll_into_view_if_needed()
+        element.screenshot(path=str(shots / f"{name}.png"))
+    # The notebook scrolls inside its panel: grow the window to show every cell at once.
+    height = page.evaluate(
+        "() => Math.max(...[...document.querySelectorAll('.jp-Notebook, .jp-Notebook *')]"
+        ".filter(e => e.scrollHeight > e.clientHeight + 5).map(e => e.scrollHeight), 0)"
+    )
+    page.set_viewport_size({"width": 1500, "height": min(height + 250, 8000)})
+    page.locator(".jp-Cell").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "notebook.png"))
+
+
+def natural_width(img) -> int:
+    return img.evaluate("el => el.naturalWidth")
+
+
+def write_notebook(path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = spec
+    nbformat.write(nb, str(path))
+
+
+def wait_kernel_idle(page) -> None:
+    """The status bar names the kernel and says Idle once it is up."""
+    page.wait_for_function(
+        "() => /Idle/.test(document.querySelector('.jp-StatusBar-Widget, #jp-main-statusbar')"
+        "?.innerText || '')",
+        timeout=90_000,
+    )
+
+
+def run_all_cells(page) -> None:
+    """Run > Run All Cells, through the command the menu item calls."""
+    page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('notebook:run-all-cells')")
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
+class LabURL(str):
+    token: str
+
+
+@contextmanager
+def jupyter_lab(root):
+    """A JupyterLab server we own on loopback with a random token; stopped by its pid, with
+    any process it left behind (the kernel, the rank engines) ended by pid too."""
+    settings = root / "lab-settings"
+    for name, value in LAB_SETTINGS.items():
+        file = settings / name
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(value))
+    env = dict(os.environ)
+    env.update(
+        JUPYTERLAB_SETTINGS_DIR=str(settings),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
+        IPYTHONDIR=str(root / "ipython"),
+        JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+    )
+    port, token = free_port(), secrets.token_hex(16)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.port_retries=0",
+        "--LabApp.expose_app_in_browser=True",
+    ] + (["--allow-root"] if os.geteuid() == 0 else [])  # CI containers run as root
+    log = open(root / "jupyter.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = LabURL(f"http://127.0.0.1:{port}")
+    url.token = token
+    try:
+        wait_http(f"{url}/api/status?token={token}", server, root / "jupyter.log")
+        yield url
+    finally:
+        stop_tree(server)
+        log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, server: subprocess.Popen, log_path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited: {open(log_path).read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"jupyter lab did not answer in {timeout}s: {open(log_path).read()[-3000:]}")
+
+
+def stop_tree(server: subprocess.Popen) -> None:
+    """SIGTERM lets the server shut its kernel down (which stops the session's engines);
+    whatever of its descendants is still there after that is killed by pid."""
+    try:
+        children = psutil.Process(server.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(10)
+    _, alive = psutil.wait_procs(children, timeout=15)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
