@@ -1,6 +1,6 @@
 """The parallel groups of notebooks/02_parallel_groups.ipynb in a plain torchrun script.
 
-    TP_SIZE=2 PP_SIZE=2 torchrun --standalone --nproc_per_node 4 \
+    TP_SIZE=2 PP_SIZE=2 torchrun --standalone --nproc_per_node 8 \
         examples/parallel_groups_torchrun.py
 
 torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; ``init_parallel_groups()`` reads
@@ -38,7 +38,7 @@ def main() -> None:
     # the mesh is built from the same groups: its tp sub-mesh is the tp group
     assert groups.mesh["tp"].get_group() is groups.tp
 
-    rows = [None] * dist.get_world_size()  # one tidy report from rank 0, not 4 interleaved
+    rows = [None] * dist.get_world_size()  # one report from rank 0, not interleaved lines
     dist.all_gather_object(rows, (rank, seen))
     if rank == 0:
         print(groups.layout.describe())

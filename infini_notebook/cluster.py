@@ -539,13 +539,14 @@ class Session:
         return dead
 
     def _exit_code(self, proc: psutil.Process) -> int | None:
-        """The engine's exit status, as its ipyparallel launcher saw it (it reaps the child)."""
+        """The engine's exit status as its ipyparallel launcher recorded it (the launcher
+        reaps the child, so only it can know). Negative: killed by that signal."""
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             for engine_set in (self._cluster.engines if self._cluster else {}).values():
-                for launcher in getattr(engine_set, "launchers", {}).values():
-                    if getattr(launcher, "pid", None) == proc.pid and launcher.stop_data:
-                        return launcher.stop_data.get("exit_code")
+                for data in (engine_set.stop_data or {}).get("engines", {}).values():
+                    if data.get("pid") == proc.pid:
+                        return data.get("exit_code")
             time.sleep(0.05)
         return None
 
@@ -598,8 +599,9 @@ class Session:
             if proc is None or not self.running:
                 rs.state = "dead" if self.running else "stopped"
             elif not _alive(proc):
+                if rs.state != "dead":  # look the exit code up once
+                    rs.exit_code = self._exit_code(proc)
                 rs.state = "dead"
-                rs.exit_code = self._exit_code(proc)
             elif rs.rank in busy:
                 rs.state = "busy"
             elif rs.rank in self._errored:

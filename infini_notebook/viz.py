@@ -20,6 +20,7 @@ import html
 import io
 import math
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,9 +45,11 @@ STATE_COLORS = {
     "idle": "#2e9d4f",
     "busy": "#e0a100",
     "error": "#d33c3c",
+    "stuck": "#8e44ad",  # not reported by Session.status() yet; shown if it ever is
     "dead": "#444444",
     "stopped": "#9e9e9e",
 }
+BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
 MAX_GRID_COLS = 16  # a single wide dim wraps into rows of at most this many ranks
 SPANS_HOSTS = "⇄"  # marks tiles whose group crosses a host boundary
 
@@ -54,8 +57,8 @@ CSS = """
 <style>
 .infini-rank-tile { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;
   line-height: 1.35; padding: 5px 8px; border-radius: 6px; border: 1px solid #ccc;
-  border-left-width: 7px; background: #fff; color: #222; min-width: 150px; }
-.infini-rank-tile .infini-state { float: right; font-weight: 600; color: #fff;
+  border-left-width: 7px; background: #fff; color: #222; min-width: 200px; }
+.infini-rank-tile .infini-state { float: right; margin-left: 8px; font-weight: 600; color: #fff;
   padding: 0 6px; border-radius: 8px; font-size: 11px; }
 .infini-rank-tile .infini-muted { color: #666; }
 .infini-group-tile.jupyter-button { white-space: pre; height: auto; line-height: 1.35;
@@ -478,19 +481,26 @@ def device_text(rs: RankState) -> str:
     return f"{rs.device} {rs.device_name}{mem}"
 
 
-def state_text(rs: RankState) -> str:
+def state_text(rs: RankState, busy_for: float | None = None) -> str:
+    """``busy 1m05s`` once a rank has been busy a while: a long one may be stuck."""
     if rs.state == "dead" and rs.exit_code is not None:
         return f"dead (exit {rs.exit_code})"
+    if rs.state == "busy" and busy_for is not None and busy_for >= BUSY_SHOWN_AFTER_S:
+        minutes, seconds = divmod(int(busy_for), 60)
+        return f"busy {minutes}m{seconds:02d}s" if minutes else f"busy {seconds}s"
     return rs.state
 
 
-def status_tile_html(rs: RankState, layout: ParallelLayout | None = None) -> str:
+def status_tile_html(
+    rs: RankState, layout: ParallelLayout | None = None, busy_for: float | None = None
+) -> str:
     """One rank's status tile; the border and badge color follow its state."""
     color = STATE_COLORS.get(rs.state, "#777")
     return (
         f'<div class="infini-rank-tile infini-state-{_esc(rs.state)}" data-rank="{rs.rank}" '
         f'style="border-left-color:{color}">'
-        f'<span class="infini-state" style="background:{color}">{_esc(state_text(rs))}</span>'
+        f'<span class="infini-state" style="background:{color}">'
+        f"{_esc(state_text(rs, busy_for))}</span>"
         f"<b>rank {rs.rank}</b> &nbsp;{_esc(coords_label(rs.coords, layout))}<br>"
         f'<span class="infini-muted">{_esc(rs.host)} · pid {rs.pid}</span><br>'
         f"{_esc(device_text(rs))}</div>"
@@ -539,6 +549,7 @@ class StatusWidget(widgets.VBox):
         self.interval = interval
         self.layout_ = _session_layout(session)
         self.states: list[str] = []
+        self._busy_since: dict[int, float] = {}  # rank -> when this widget first saw it busy
         self.summary = widgets.HTML()
         self.tiles = [widgets.HTML() for _ in range(session.world_size)]
         for tile in self.tiles:
@@ -562,8 +573,12 @@ class StatusWidget(widgets.VBox):
         """Poll once and update the tiles (only changed ones send anything to the browser)."""
         states = self.session.status()
         self.states = [rs.state for rs in states]
+        now = time.monotonic()
         for tile, rs in zip(self.tiles, states):
-            tile.value = status_tile_html(rs, self.layout_)
+            if rs.state != "busy":
+                self._busy_since.pop(rs.rank, None)
+            since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
+            tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
         self.summary.value = f'<div class="infini-title">{_esc(status_summary(states))}</div>'
         return states
 

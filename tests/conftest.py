@@ -71,3 +71,20 @@ def kernel():
         cells.run("%load_ext infini_notebook")
         yield cells
         cells.run("%dist_stop", allow_error=True)
+
+
+# Fault-injection timings (time to detect, time to recover), reported at the end of the run.
+FAULT_TIMINGS: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FAULT_TIMINGS:
+        return
+    import json
+
+    terminalreporter.section("fault detection and recovery times (s)")
+    for name, seconds in FAULT_TIMINGS.items():
+        terminalreporter.write_line(f"{name:<45} {seconds:6.2f}")
+    os.makedirs(os.path.join(REPO, "out"), exist_ok=True)
+    with open(os.path.join(REPO, "out", "fault_timings.json"), "w") as f:
+        json.dump(FAULT_TIMINGS, f, indent=1)

@@ -97,12 +97,16 @@ def check_outputs(page, shots) -> None:
     view.wait_for(timeout=60_000)
     assert natural_width(plot) > 300 and natural_width(view) > 300
 
-    # The last cell sleeps on every rank: the tiles turn busy while it runs, then idle.
-    page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=60_000)
+    # The last cell sleeps on every rank: while it runs (prompt [*]) the tiles turn busy,
+    # then idle once it is done; the kernel is busy with the cell all the while.
+    last_prompt = page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt")
+    page.wait_for_function("el => el.innerText.includes('*')", arg=last_prompt.element_handle())
+    page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=10_000)
     status = page.locator(".jp-OutputArea-output:has(.infini-status)").first
     status.scroll_into_view_if_needed()
     status.screenshot(path=str(shots / "status_busy.png"))
     page.locator(".infini-status .infini-state-idle").nth(3).wait_for(timeout=60_000)
+    assert "*" not in last_prompt.inner_text()
 
     grid.nth(0).click()  # select rank 0: its groups get outlined
     page.wait_for_function(

@@ -108,6 +108,16 @@ def test_static_fallbacks_name_every_rank_with_coords():
 # --------------------------------------------------------------------------- group grid widget
 
 
+@pytest.mark.xfail(
+    not hasattr(ParallelLayout, "_repr_html_"),
+    reason="hook pending in groups.py: ParallelLayout._repr_html_ -> viz.layout_html",
+    strict=True,
+)
+def test_parallel_layout_html_repr_is_the_grid():
+    layout = ParallelLayout(8, tp=2, pp=2)
+    assert layout._repr_html_() == viz.layout_html(layout)
+
+
 def test_group_grid_widget_recolors_and_selects_on_click():
     layout = ParallelLayout(4, tp=2)
     grid = viz.GroupGrid(layout)
@@ -149,6 +159,8 @@ def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     assert "rank 1" in tile and "tp1 dp0" in tile and "pid 101" in tile
     dead = viz.status_tile_html(fake_state(2, "dead", exit_code=-9))
     assert "dead (exit -9)" in dead and viz.STATE_COLORS["dead"] in dead
+    assert ">busy</span>" in viz.status_tile_html(gpu, busy_for=1.0)
+    assert ">busy 1m05s</span>" in viz.status_tile_html(gpu, busy_for=65.2)
     states = [fake_state(r, s) for r, s in enumerate(["idle", "busy", "busy", "error"])]
     assert viz.status_summary(states) == "4 ranks: 2 busy, 1 error, 1 idle"
     text = viz.status_text(states, ParallelLayout(4, tp=2))
