@@ -65,7 +65,9 @@ def text_of(cell, name: str | None = None) -> str:
 def kernel():
     """A real IPython kernel with the extension loaded; one per test module."""
     nb = nbformat.v4.new_notebook()
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": REPO}})
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": REPO}}
+    )
     with client.setup_kernel():
         cells = KernelCells(client)
         cells.run("%load_ext infini_notebook")

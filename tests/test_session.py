@@ -6,7 +6,6 @@ import socket
 
 import psutil
 import pytest
-
 from conftest import text_of
 
 
@@ -132,6 +131,8 @@ def _free_port() -> int:
 def test_init_methods_tcp_and_file(kernel, method, tmp_path):
     url = f"tcp://127.0.0.1:{_free_port()}" if method == "tcp" else f"file://{tmp_path}/store"
     kernel.run(f"%dist_start --nprocs 2 --init-method {url}", timeout=180)
-    out = text_of(kernel.run("%%dist\nx = torch.tensor([rank + 1.0]); dist.all_reduce(x); print(x.item())"))
+    out = text_of(
+        kernel.run("%%dist\nx = torch.tensor([rank + 1.0]); dist.all_reduce(x); print(x.item())")
+    )
     assert "[rank 0] 3.0" in out and "[rank 1] 3.0" in out
     kernel.run("%dist_stop")
