@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,7 @@ class Session:
         self._client = None
         self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
         self._lock = threading.Lock()
+        self._eids: list[int] = []  # engine id of each rank (== rank on one host)
 
     # ----- start / stop -------------------------------------------------------------------
     def start(self, progress: bool | None = None) -> Session:
@@ -170,6 +172,13 @@ class Session:
         import torch.distributed as dist
 
         method = self.plan.init_method
+        if self.plan.bind_address not in ("127.0.0.1", "localhost", "::1"):
+            warnings.warn(
+                f"Listening on {self.plan.bind_address}: the rendezvous TCPStore has no "
+                "authentication, so anyone who reaches that address can join or disturb the "
+                "session. ipyparallel's traffic is encrypted (CurveZMQ).",
+                stacklevel=2,
+            )
         host = method.host if method.kind == "tcp" else self.plan.bind_address
         port = method.port if method.kind == "tcp" else 0
         try:
@@ -188,26 +197,28 @@ class Session:
     def _start_engines(self, progress: bool | None) -> None:
         import ipyparallel as ipp
 
+        from . import launchers
+
         self._cluster = ipp.Cluster(
-            n=self.world_size,
-            profile_dir=os.path.join(self._workdir, "profile"),
-            controller_ip=self.plan.bind_address,
-            delay=0,  # engines wait for the controller's connection info anyway
+            **launchers.cluster_options(self.plan, os.path.join(self._workdir, "profile")),
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
         self._in_loop(self._cluster.start_controller())
         self._in_loop(
-            self._cluster.start_engines(
-                self.world_size,
-                environment={"OMP_NUM_THREADS": str(self.plan.threads_per_rank)},
-            )
+            self._cluster.start_engines(self.world_size, **launchers.engine_options(self.plan))
         )
         self._client = self._in_loop(self._cluster.connect_client())
         self._client.wait_for_engines(self.world_size, timeout=120, interactive=progress)
-        ids = sorted(self._client.ids)
-        if ids != list(range(self.world_size)):
-            raise RuntimeError(f"engine ids {ids} are not 0..{self.world_size - 1}")
+        identities = self._client[:].apply_async(engine.identity).get_dict(timeout=60)
+        self._eids = launchers.assign_ranks(identities, self.plan)
+
+    def _engine(self, rank: int):
+        """The ipyparallel view of one rank's engine."""
+        return self._client[self._eids[rank]]
+
+    def _view(self, ranks: list[int]):
+        return self._client[[self._eids[r] for r in ranks]]
 
     def _in_loop(self, coro, timeout: float = 120):
         """Run an ipyparallel coroutine on this session's own event loop thread. The loop
@@ -228,12 +239,14 @@ class Session:
         store = {"kind": method.kind, "host": self._store.host, "port": self._store.port}
         if method.kind == "file":
             store = {"kind": "file", "path": method.path}
+        group_rank, local_rank, local_world = self.plan.placement.rank_places(self.world_size)[rank]
         return {
             "rank": rank,
-            "local_rank": rank,
+            "local_rank": local_rank,
             "world_size": self.world_size,
-            "local_world_size": self.world_size,
-            "group_rank": 0,
+            "local_world_size": local_world,
+            "group_rank": group_rank,
+            "watch": "store" if self.plan.placement.multi_host else "pid",
             "master_addr": self._store.host,
             "master_port": self._store.port,
             "backend": self.plan.backend,
@@ -253,7 +266,7 @@ class Session:
 
     def _bootstrap(self) -> None:
         pending = {
-            r: self._client[r].apply_async(engine.bootstrap, self._engine_config(r))
+            r: self._engine(r).apply_async(engine.bootstrap, self._engine_config(r))
             for r in range(self.world_size)
         }
         infos = self._gather(pending, what="start")
@@ -266,7 +279,8 @@ class Session:
         self.ranks = []
         for r in range(self.world_size):
             info = infos[r]
-            self._pids[r] = psutil.Process(info["pid"])
+            if not self.plan.placement.multi_host:  # remote pids mean nothing here
+                self._pids[r] = psutil.Process(info["pid"])
             self.ranks.append(
                 RankState(
                     rank=r,
@@ -366,7 +380,7 @@ class Session:
                 "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
             )
         pending = {
-            r: self._client[r].apply_async(engine.reinit_distributed, self.attempt)
+            r: self._engine(r).apply_async(engine.reinit_distributed, self.attempt)
             for r in range(self.world_size)
         }
         try:
@@ -380,7 +394,9 @@ class Session:
     def _stuck_ranks(self) -> list[int]:
         """Ranks whose engine still has work queued or running."""
         status = self._client.queue_status()
-        return [r for r in range(self.world_size) if status.get(r, {}).get("queue", 0) > 0]
+        return [
+            r for r in range(self.world_size) if status.get(self._eids[r], {}).get("queue", 0) > 0
+        ]
 
     def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
         """Every thread's Python stack on each rank, taken by signal (faulthandler), so a
@@ -434,7 +450,7 @@ class Session:
         printer = _Printer(echo)
         shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         t0 = time.perf_counter()
-        ar = self._client[targets].execute(code, silent=False, block=False)
+        ar = self._view(targets).execute(code, silent=False, block=False)
         self._set_busy(targets)
         try:
             self._follow(ar, targets, labeler, printer, shown)
@@ -530,7 +546,11 @@ class Session:
 
     def _dead_ranks(self, targets) -> dict[int, str]:
         dead = {}
+        registered = set(self._client.ids) if self._client is not None else set()
         for r in targets:
+            if self._eids and self._eids[r] not in registered:
+                dead[r] = "its engine unregistered"
+                continue
             proc = self._pids.get(r)
             if proc is None:
                 continue
@@ -552,13 +572,19 @@ class Session:
 
     def signal(self, signum: int, ranks: list[int] | None = None) -> None:
         """Send ``signum`` to the engines of ``ranks`` (pids this session started)."""
+        remote = []
         for r in ranks if ranks is not None else range(self.world_size):
             proc = self._pids.get(r)
+            if proc is None:
+                remote.append(self._eids[r])
+                continue
             try:
-                if proc is not None and proc.is_running():
+                if proc.is_running():
                     proc.send_signal(signum)
             except psutil.Error:
                 pass
+        if remote and self._client is not None:  # through each engine's ipyparallel nanny
+            self._client.send_signal(signum, targets=remote, block=False)
 
     def _set_busy(self, ranks) -> None:
         with self._lock:
@@ -574,7 +600,7 @@ class Session:
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         self._require_running()
         targets = parse_ranks(ranks, self.world_size)
-        pending = {r: self._client[r].apply_async(fn, *args) for r in targets}
+        pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
         self._set_busy(targets)
         try:
             return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)

@@ -44,7 +44,10 @@ def bootstrap(cfg: dict) -> dict:
 
     ``cfg`` comes from the kernel (see ``cluster.Session._engine_config``)."""
     _set_environment(cfg)
-    _watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
+    if cfg.get("watch", "pid") == "pid":
+        _watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
+    else:  # the kernel is on another host: its store going away is the signal
+        _watch_store(cfg["master_addr"], cfg["master_port"])
     _install_stack_dumper(cfg["stack_file"])
     import torch
 
@@ -201,6 +204,43 @@ def _install_stack_dumper(path: str) -> None:
     f = open(path, "w")  # kept open for the process's life
     _STATE["stack_file"] = f
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+
+
+def identity() -> dict:
+    """What the kernel needs to map this engine to a global rank (see launchers.assign_ranks)."""
+    env = os.environ
+    launcher_rank = next(
+        (env[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID") if k in env), None
+    )
+    return {
+        "launcher_rank": launcher_rank,
+        "host_index": env.get("INFINI_HOST_INDEX"),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def _watch_store(host: str, port: int) -> None:
+    """Exit when the kernel's TCPStore stops answering (three misses in a row)."""
+
+    def watch() -> None:
+        import torch.distributed as dist
+
+        misses = 0
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        except Exception:
+            os._exit(3)
+        while misses < 3:
+            time.sleep(1.0)
+            try:
+                store.check(["infini/alive"])
+                misses = 0
+            except Exception:
+                misses += 1
+        os._exit(3)
+
+    threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
 
 
 def _watch_parent(kernel_pid: int, kernel_start: float) -> None:

@@ -58,6 +58,16 @@ class DistMagics(Magics):
         default="127.0.0.1",
         help="address the store and controller listen on (default loopback)",
     )
+    @argument("--launcher", default="local", help="local (default), ssh, mpi or slurm")
+    @argument("--hosts", help="HOST:SLOTS,... where ranks run (ssh, mpi), e.g. a:8,b:8")
+    @argument("--nnodes", type=int, help="number of nodes (slurm)")
+    @argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (slurm, ssh)")
+    @argument("--partition", help="slurm partition")
+    @argument("--account", help="slurm account")
+    @argument("--time", dest="time_limit", help="slurm time limit, e.g. 01:00:00")
+    @argument("--env", action="append", help="NAME=VALUE for every rank (repeatable)")
+    @argument("--ssh-args", help="extra ssh options, quoted: '-i key -p 2222'")
+    @argument("--remote-python", help="python on the hosts (default: this kernel's)")
     @line_magic
     def dist_start(self, line: str):
         """Start one engine per rank with torch.distributed initialised on each.
@@ -79,6 +89,16 @@ class DistMagics(Magics):
             order=args.order,
             zero1=args.zero1,
             bind_address=args.bind_address,
+            launcher=args.launcher,
+            hosts=args.hosts,
+            nnodes=args.nnodes,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            account=args.account,
+            time_limit=args.time_limit,
+            env=args.env,
+            ssh_args=args.ssh_args,
+            remote_python=args.remote_python,
         )
         self.shell.user_ns["dist_session"] = session
         print(f"{session.world_size} ranks ready ({session.plan.backend}). Use %%dist to run code.")

@@ -13,6 +13,34 @@ from urllib.parse import urlparse
 from .errors import DistUsageError
 
 BACKENDS = ("auto", "nccl", "gloo")
+LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where ranks run. ``hosts`` lists (host, slots) in rank order: host i holds the next
+    ``slots`` ranks, so LOCAL_RANK is the index inside a host and GROUP_RANK the host's."""
+
+    launcher: str = "local"
+    hosts: tuple[tuple[str, int], ...] = ()
+    gpus_per_node: int | None = None
+    env: tuple[tuple[str, str], ...] = ()  # extra variables for every engine
+    ssh_args: tuple[str, ...] = ()
+    remote_python: str = ""
+    slurm: tuple[tuple[str, str], ...] = ()  # partition, account, time
+
+    def rank_places(self, world_size: int) -> list[tuple[int, int, int]]:
+        """(group_rank, local_rank, local_world_size) for every rank."""
+        hosts = self.hosts or (("localhost", world_size),)
+        places = []
+        for host_index, (_, slots) in enumerate(hosts):
+            places += [(host_index, i, slots) for i in range(slots)]
+        return places
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm")
 
 
 @dataclass(frozen=True)
@@ -43,6 +71,7 @@ class SessionPlan:
     layout: dict = field(default_factory=dict)  # ParallelLayout.to_dict()
     threads_per_rank: int = 1
     bind_address: str = "127.0.0.1"
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def device_kind(self) -> str:
@@ -90,9 +119,42 @@ def make_plan(
     cpu_count: int | None = None,
     layout: dict | None = None,
     bind_address: str = "127.0.0.1",
+    launcher: str = "local",
+    hosts: str | None = None,
+    nnodes: int | None = None,
+    gpus_per_node: int | None = None,
+    env: list[str] | None = None,
+    ssh_args: str | None = None,
+    remote_python: str | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+    time_limit: str | None = None,
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
     problem with a message that names the fix."""
+    if launcher not in LAUNCHERS:
+        raise DistUsageError(
+            f"Unknown --launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}."
+        )
+    if launcher != "local" or hosts:
+        return _remote_plan(
+            launcher=launcher,
+            hosts=hosts,
+            nnodes=nnodes,
+            gpus_per_node=gpus_per_node,
+            nprocs=nprocs,
+            gpus=gpus,
+            backend=backend,
+            timeout=timeout,
+            init_method=init_method,
+            layout=layout,
+            bind_address=bind_address,
+            env=env,
+            ssh_args=ssh_args,
+            remote_python=remote_python,
+            cpu_count=cpu_count,
+            slurm={"partition": partition, "account": account, "time": time_limit},
+        )
     visible = list(visible_gpus or [])
     if backend not in BACKENDS:
         raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
@@ -122,6 +184,117 @@ def make_plan(
         layout=layout_dict,
         threads_per_rank=max(1, cores // world),
         bind_address=bind_address,
+        placement=Placement(env=parse_env(env)),
+    )
+
+
+def parse_hosts(text: str) -> tuple[tuple[str, int], ...]:
+    """``a:8,b:8`` -> ((a, 8), (b, 8)). A host without ``:N`` gets one slot."""
+    hosts = []
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, _, slots = part.rpartition(":") if ":" in part else (part, "", "1")
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise DistUsageError(
+                f"Bad --hosts entry {part!r}: use HOST:SLOTS, like --hosts node1:8,node2:8."
+            )
+        hosts.append((name, int(slots)))
+    if not hosts:
+        raise DistUsageError("--hosts is empty: use HOST:SLOTS, like --hosts node1:8,node2:8.")
+    return tuple(hosts)
+
+
+def parse_env(items: list[str] | None) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise DistUsageError(
+                f"Bad --env {item!r}: use NAME=VALUE, like GLOO_SOCKET_IFNAME=eth0."
+            )
+        out.append((key, value))
+    return tuple(out)
+
+
+def _remote_plan(
+    *,
+    launcher,
+    hosts,
+    nnodes,
+    gpus_per_node,
+    nprocs,
+    gpus,
+    backend,
+    timeout,
+    init_method,
+    layout,
+    bind_address,
+    env,
+    ssh_args,
+    remote_python,
+    cpu_count,
+    slurm,
+) -> SessionPlan:
+    """Plans for ranks started by ssh, mpiexec or Slurm (possibly on other hosts)."""
+    import shlex
+    import sys
+
+    if backend not in BACKENDS:
+        raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
+    if timeout is None or timeout <= 0:
+        raise DistUsageError(f"--timeout must be a positive number of seconds, got {timeout}.")
+    host_list = parse_hosts(hosts) if hosts else ()
+    if launcher == "local":
+        raise DistUsageError("--hosts needs --launcher ssh, mpi or slurm.")
+    if launcher == "ssh" and not host_list:
+        raise DistUsageError("--launcher ssh needs --hosts, like --hosts node1:8,node2:8.")
+    if launcher == "slurm":
+        if host_list:
+            raise DistUsageError("Slurm picks the hosts: drop --hosts and give --nnodes N.")
+        if not nnodes or nnodes < 1 or not (gpus_per_node or nprocs):
+            raise DistUsageError(
+                "--launcher slurm needs --nnodes N and --gpus-per-node G (or --nprocs for CPU "
+                "ranks per node), e.g. --launcher slurm --nnodes 2 --gpus-per-node 8."
+            )
+        host_list = tuple((f"node{i}", gpus_per_node or nprocs) for i in range(nnodes))
+    if launcher == "mpi" and not host_list:
+        size = nprocs or gpus
+        if not size or size < 1:
+            raise DistUsageError("--launcher mpi needs --nprocs N (or --hosts HOST:SLOTS,...).")
+        host_list = (("localhost", size),)
+    world = sum(slots for _, slots in host_list)
+    if launcher != "slurm" and nprocs is not None and nprocs != world:
+        raise DistUsageError(f"--nprocs {nprocs} does not match the {world} slots of --hosts.")
+    if gpus_per_node and any(slots != gpus_per_node for _, slots in host_list):
+        raise DistUsageError(f"--gpus-per-node {gpus_per_node} does not match --hosts {hosts}.")
+    on_gpu = bool(gpus_per_node or gpus) or backend == "nccl"
+    backend = backend if backend != "auto" else ("nccl" if on_gpu else "gloo")
+    remote_hosts = [h for h, _ in host_list if h not in LOOPBACK]
+    if remote_hosts and bind_address in LOOPBACK:
+        raise DistUsageError(
+            f"Ranks on {', '.join(remote_hosts)} cannot reach this kernel on {bind_address}. "
+            "Pass --bind-address ADDR, an address of this machine that those hosts reach."
+        )
+    placement = Placement(
+        launcher=launcher,
+        hosts=host_list,
+        gpus_per_node=gpus_per_node,
+        env=parse_env(env),
+        ssh_args=tuple(shlex.split(ssh_args or "")),
+        remote_python=remote_python or sys.executable,
+        slurm=tuple((k, v) for k, v in slurm.items() if v),
+    )
+    cores = cpu_count or os.cpu_count() or 1
+    per_host = max(slots for _, slots in host_list)
+    return SessionPlan(
+        world_size=world,
+        backend=backend,
+        gpus=tuple(str(i) for _, slots in host_list for i in range(slots)) if on_gpu else (),
+        timeout=float(timeout),
+        init_method=parse_init_method(init_method, bind_address),
+        layout=_check_layout(world, layout or {}),
+        threads_per_rank=max(1, cores // per_host),
+        bind_address=bind_address,
+        placement=placement,
     )
 
 

@@ -1,0 +1,90 @@
+"""How ipyparallel starts the engines for a plan: local processes, ssh, mpiexec or Slurm.
+
+Pure configuration: ``cluster_options`` and ``engine_options`` turn a SessionPlan into keyword
+arguments for ``ipp.Cluster`` and ``Cluster.start_engines``; ipyparallel's own launchers do
+the starting. ``assign_ranks`` maps registered engines to global ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .plan import LOOPBACK, SessionPlan
+
+LAUNCHER_CLASSES = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
+
+
+def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
+    opts = {
+        "n": plan.world_size,
+        "profile_dir": profile_dir,
+        "controller_ip": plan.bind_address,
+        "engine_launcher_class": LAUNCHER_CLASSES[plan.placement.launcher],
+        "delay": 0,  # engines wait for the controller's connection info anyway
+    }
+    if plan.bind_address not in LOOPBACK:
+        # Traffic leaves this machine: encrypt and authenticate ipyparallel's sockets.
+        opts["controller_location"] = plan.bind_address
+        opts["controller_args"] = ["--IPController.enable_curve=True"]
+    return opts
+
+
+def engine_env(plan: SessionPlan) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": str(plan.threads_per_rank)}
+    env.update(dict(plan.placement.env))
+    return env
+
+
+def engine_options(plan: SessionPlan) -> dict:
+    """Keyword arguments for ``Cluster.start_engines`` (traits of the engine set launcher)."""
+    place = plan.placement
+    env = engine_env(plan)
+    if place.launcher == "local":
+        return {"environment": env}
+    if place.launcher == "ssh":
+        ssh_args = list(place.ssh_args)
+        return {
+            "engines": {
+                host: {"n": slots, "environment": dict(env, INFINI_HOST_INDEX=str(i))}
+                for i, (host, slots) in enumerate(place.hosts)
+            },
+            "ssh_args": ssh_args,
+            "scp_args": [a for a in ssh_args if a != "-T"],
+            "remote_python": place.remote_python,
+        }
+    if place.launcher == "mpi":
+        args = ["--host", ",".join(f"{h}:{n}" for h, n in place.hosts)]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            args.append("--allow-run-as-root")  # containers often run as root
+        for key in env:
+            args += ["-x", key]  # forward to ranks on every host
+        return {"environment": env, "mpi_args": args}
+    if place.launcher == "slurm":
+        slurm = dict(place.slurm)
+        per_node = place.hosts[0][1]
+        options = [f"--nodes={len(place.hosts)}", f"--ntasks-per-node={per_node}"]
+        if place.gpus_per_node:
+            options.append(f"--gpus-per-node={place.gpus_per_node}")
+        opts = {"environment": env, "options": "\n".join(f"#SBATCH {o}" for o in options)}
+        if "partition" in slurm:
+            opts["queue"] = slurm["partition"]
+        if "account" in slurm:
+            opts["account"] = slurm["account"]
+        if "time" in slurm:
+            opts["timelimit"] = slurm["time"]
+        return opts
+    raise ValueError(place.launcher)
+
+
+def assign_ranks(identities: dict[int, dict], plan: SessionPlan) -> list[int]:
+    """Engine id of every global rank, from what each engine reported (``engine.identity``).
+
+    mpiexec and Slurm number their processes; use that. ssh engines know their host's index;
+    within a host, registration order. Local engines: engine id order (id == rank)."""
+    eids = sorted(identities)
+    if all(identities[e].get("launcher_rank") is not None for e in eids):
+        by_rank = sorted(eids, key=lambda e: int(identities[e]["launcher_rank"]))
+        return by_rank
+    if all(identities[e].get("host_index") is not None for e in eids):
+        return sorted(eids, key=lambda e: (int(identities[e]["host_index"]), e))
+    return eids
