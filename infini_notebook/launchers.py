@@ -8,6 +8,7 @@ the starting. ``assign_ranks`` maps registered engines to global ranks.
 from __future__ import annotations
 
 import os
+import shlex
 
 from .plan import LOOPBACK, SessionPlan
 
@@ -60,20 +61,33 @@ def engine_options(plan: SessionPlan) -> dict:
             args += ["-x", key]  # forward to ranks on every host
         return {"environment": env, "mpi_args": args}
     if place.launcher == "slurm":
-        slurm = dict(place.slurm)
-        per_node = place.hosts[0][1]
-        options = [f"--nodes={len(place.hosts)}", f"--ntasks-per-node={per_node}"]
-        if place.gpus_per_node:
-            options.append(f"--gpus-per-node={place.gpus_per_node}")
-        opts = {"environment": env, "options": "\n".join(f"#SBATCH {o}" for o in options)}
-        if "partition" in slurm:
-            opts["queue"] = slurm["partition"]
-        if "account" in slurm:
-            opts["account"] = slurm["account"]
-        if "time" in slurm:
-            opts["timelimit"] = slurm["time"]
-        return opts
+        return {"environment": env, "batch_template": slurm_template(plan)}
     raise ValueError(place.launcher)
+
+
+def slurm_template(plan: SessionPlan) -> str:
+    """The engines' batch script: one task per rank, ``--ntasks-per-node`` ranks per node.
+    ``{n}``, ``{cluster_id}`` and ``{program_and_args}`` are filled in by ipyparallel."""
+    place = plan.placement
+    lines = [
+        "#!/bin/sh",
+        "#SBATCH --export=ALL",
+        "#SBATCH --job-name=ipengine-{cluster_id}",
+        "#SBATCH --ntasks={n}",
+        f"#SBATCH --nodes={len(place.hosts)}",
+        f"#SBATCH --ntasks-per-node={place.hosts[0][1]}",
+    ]
+    if place.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={place.gpus_per_node}")
+    flags = {"partition": "--partition", "account": "--account", "time": "--time"}
+    lines += [f"#SBATCH {flags[k]}={v}" for k, v in place.slurm]
+    # Braces would be read as template fields by ipyparallel's formatter.
+    lines += [
+        f"export {k}={shlex.quote(v)}".replace("{", "{{").replace("}", "}}")
+        for k, v in engine_env(plan).items()
+    ]
+    lines.append("srun {program_and_args}")
+    return "\n".join(lines) + "\n"
 
 
 def assign_ranks(identities: dict[int, dict], plan: SessionPlan) -> list[int]:
