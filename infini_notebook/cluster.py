@@ -123,9 +123,17 @@ class Session:
         try:
             self._start_store()
             self._launch(progress)
-        except BaseException:
+        except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
             raise
+        except Exception as e:  # a launcher, ssh or the controller failed
+            self.stop()
+            launcher = self.plan.placement.launcher
+            raise DistCellError(
+                f"Starting {self.world_size} ranks with the {launcher} launcher failed: "
+                f"{_one_line(e)}. Nothing is left running. Check that the hosts are reachable "
+                "and run the same Python with infini_notebook installed."
+            ) from None
         self.running = True
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
@@ -548,11 +556,10 @@ class Session:
         dead = {}
         registered = set(self._client.ids) if self._client is not None else set()
         for r in targets:
-            if self._eids and self._eids[r] not in registered:
-                dead[r] = "its engine unregistered"
-                continue
             proc = self._pids.get(r)
-            if proc is None:
+            if proc is None:  # a remote engine: the controller knows when it is gone
+                if self._eids and self._eids[r] not in registered:
+                    dead[r] = "its engine unregistered"
                 continue
             if not _alive(proc):
                 dead[r] = _exit_description(self._exit_code(proc))

@@ -22,6 +22,13 @@ def _session() -> cluster.Session:
     return session
 
 
+def _unquote(text: str | None) -> str | None:
+    """IPython's magic argument splitter keeps the quotes around a quoted value."""
+    if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def parse_where(text: str) -> dict[str, int]:
     """``pp=0,tp=1`` -> ``{"pp": 0, "tp": 1}``."""
     coords = {}
@@ -97,7 +104,7 @@ class DistMagics(Magics):
             account=args.account,
             time_limit=args.time_limit,
             env=args.env,
-            ssh_args=args.ssh_args,
+            ssh_args=_unquote(args.ssh_args),
             remote_python=args.remote_python,
         )
         self.shell.user_ns["dist_session"] = session

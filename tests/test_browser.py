@@ -44,7 +44,7 @@ CELLS = [
     "%dist_groups",
     "%dist_bench all_reduce --group world tp --sizes 1K:64K --iters 5 --warmup 1 -o df",
     "from infini_notebook import viz\nviz.bench_view(df)",
-    "%%dist\nimport time\ntime.sleep(8)",
+    "%%dist\nimport time\nprint('sleeping', flush=True)\ntime.sleep(8)\nprint('woke')",
 ]
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
@@ -97,16 +97,17 @@ def check_outputs(page, shots) -> None:
     view.wait_for(timeout=60_000)
     assert natural_width(plot) > 300 and natural_width(view) > 300
 
-    # The last cell sleeps on every rank: while it runs (prompt [*]) the tiles turn busy,
-    # then idle once it is done; the kernel is busy with the cell all the while.
-    last_prompt = page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt")
-    page.wait_for_function("el => el.innerText.includes('*')", arg=last_prompt.element_handle())
-    page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=10_000)
+    # The last cell sleeps on every rank: once its ranks print "sleeping" (the kernel still
+    # busy with the cell) the tiles must turn busy, and idle again after "woke".
+    last = page.locator(".jp-Notebook .jp-Cell").last
+    last.get_by_text("[rank 3] sleeping").wait_for(timeout=60_000)
+    assert "] woke" not in last.inner_text()
+    page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=5_000)
     status = page.locator(".jp-OutputArea-output:has(.infini-status)").first
     status.scroll_into_view_if_needed()
     status.screenshot(path=str(shots / "status_busy.png"))
-    page.locator(".infini-status .infini-state-idle").nth(3).wait_for(timeout=60_000)
-    assert "*" not in last_prompt.inner_text()
+    last.get_by_text("[rank 3] woke").wait_for(timeout=60_000)
+    page.locator(".infini-status .infini-state-idle").nth(3).wait_for(timeout=5_000)
 
     grid.nth(0).click()  # select rank 0: its groups get outlined
     page.wait_for_function(
@@ -155,7 +156,8 @@ def wait_kernel_idle(page) -> None:
 def run_all_cells(page) -> None:
     """Run > Run All Cells, through the command the menu item calls."""
     page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('notebook:run-all-cells')")
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # Not awaited: the command's promise settles only when the last cell is done.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
 
 class LabURL(str):

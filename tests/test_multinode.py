@@ -67,6 +67,7 @@ class TwoHosts:
                     f"ListenAddress {addr}\nHostKey {host_key}\nPidFile none\n"
                     f"AuthorizedKeysFile {self.tmp}/authorized_keys\nPermitRootLogin yes\n"
                     "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+                    "Subsystem sftp /usr/lib/openssh/sftp-server\n"
                 )
             self.sshd.append(
                 subprocess.Popen(

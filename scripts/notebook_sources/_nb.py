@@ -28,7 +28,11 @@ def code(text: str, *tags: str) -> nbformat.NotebookNode:
 def save(name: str, cells: list[nbformat.NotebookNode]) -> str:
     """Write notebooks/NAME.ipynb (no outputs yet) and return its path."""
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     for i, cell in enumerate(nb.cells):  # stable ids keep regenerated diffs small
         cell["id"] = f"{name[:2]}-{i:02d}"
     nbformat.validate(nb)

@@ -1,4 +1,5 @@
 """Source of notebooks/02_parallel_groups.ipynb (run build.py to regenerate and execute it)."""
+# ruff: noqa: E501  (markdown tables and shell lines are notebook text)
 
 from _nb import code, md, save
 
@@ -96,20 +97,21 @@ CELLS = [
     picotron = ParallelLayout(8, tp=2, pp=2, order="tp-cp-pp-dp")
     for kind in ["tp", "dp", "pp"]:
         print(f"{kind}:  Megatron {megatron.groups(kind)}   picotron {picotron.groups(kind)}")
-    print("rank 2 is", megatron.coords(2), "in Megatron's order,", picotron.coords(2), "in picotron's")
+    print("rank 2 in Megatron's order:", megatron.coords(2))
+    print("rank 2 in picotron's order:", picotron.coords(2))
     """),
     md("""
     tp stays put (fastest in both), but dp and pp trade places. Put 4 ranks on each of two
-    nodes: with Megatron's order node 0 holds stage 0 of both model copies, so the gradient
+    nodes: with Megatron's order, node 0 holds stage 0 of both model copies, so the gradient
     all-reduce (dp) stays inside a node and the pipeline sends cross nodes. With picotron's
-    order each node holds a whole model copy: pipeline traffic stays inside, the gradient
+    order, each node holds a whole model copy: pipeline traffic stays inside, the gradient
     all-reduce crosses nodes. Which is better depends on which traffic is heavier on your
     interconnect, and that is a one-word change: `--order tp-cp-pp-dp`.
 
     ## 3. The rank grid
 
-    `%dist_groups` draws a layout: rows and columns are coordinates, the colours (and the
-    letters) are the groups of one kind. In a live notebook, pick another kind in the
+    `%dist_groups` draws a layout: rows and columns are coordinates, the colours are the
+    groups of one kind. In a live notebook, pick another kind in the
     dropdown or click a rank to outline all its groups. With `--world` it needs no session,
     so it is also a planning tool. Megatron's order, coloured by pp group:
     """),
@@ -226,7 +228,8 @@ CELLS = [
     code("""
     %%dist --ranks 5
     print(mesh)
-    print("tp sub-mesh:", mesh["tp"], "- same group as groups.tp:", mesh["tp"].get_group() is groups.tp)
+    print("tp sub-mesh:", mesh["tp"])
+    print("its group is groups.tp:", mesh["tp"].get_group() is groups.tp)
     print("coordinates:", {d: mesh.get_local_rank(d) for d in mesh.mesh_dim_names})
     """),
     md("""

@@ -1,4 +1,5 @@
 """Source of notebooks/04_stores_and_init_methods.ipynb (run build.py to regenerate it)."""
+# ruff: noqa: E501  (markdown tables are notebook text)
 
 from _nb import code, md, save
 
@@ -31,7 +32,7 @@ CELLS = [
     code("""
     %%dist
     import os
-    {k: os.environ[k] for k in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"]}
+    " ".join(f"{k}={os.environ[k]}" for k in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"])
     """),
     md("""
     ## TCPStore
@@ -67,7 +68,7 @@ CELLS = [
     `add` is atomic, so four ranks adding 1 each get 1, 2, 3 and 4, in the order they
     happened to arrive (it changes from run to run). That is enough for a barrier: the last
     rank to arrive opens the door, the others wait for it. torch's own store-based barriers
-    work this way.
+    work much the same way.
     """),
     code("""
     %%dist
@@ -104,21 +105,31 @@ CELLS = [
     %%dist
     team = dist.PrefixStore(f"team_{rank % 2}", store)
     team.set(f"member_{rank}", "here")
-    team.add("size", 1)
+    team.add("size", 1)  # each team's own counter: 1, then 2
     """),
     code("""
     keys = sorted(kernel_store.list_keys())
     session_keys = [k for k in keys if k.startswith("attempt_0/")]
     print(len(session_keys), "keys under attempt_0/, for example", session_keys[-1])
     print("our keys:", [k for k in keys if not k.startswith("attempt_0/")])
-    print("team_0/size =", kernel_store.get("team_0/size"), " team_1/size =", kernel_store.get("team_1/size"))
+    print("team_0/size =", kernel_store.get("team_0/size"))
+    print("team_1/size =", kernel_store.get("team_1/size"))
     """),
     md("""
     The `attempt_0/` keys are the session's own. Its default process group was created with
     `init_process_group(store=PrefixStore("attempt_0", store), ...)`, so all of torch's
     rendezvous traffic (each rank's address, the groups' barrier counters) lives under that
-    prefix. When the session builds its groups again, after a restart, it uses `attempt_1`
-    on the same store: the new group can never read a stale address left by a dead rank.
+    prefix. `%dist_restart` (for a failed collective) builds the groups again, keeping your
+    variables, under `attempt_1` on the same store, so the new groups can never read a
+    stale address left by the old ones:
+    """),
+    code("%dist_restart"),
+    code("""
+    from collections import Counter
+
+    Counter(k.split("/")[0] for k in kernel_store.list_keys() if k.startswith("attempt_"))
+    """),
+    md("""
     The rule for your own groups is the same: **one fresh prefix per group instance.**
 
     ## FileStore
@@ -139,7 +150,7 @@ CELLS = [
     fstore = dist.FileStore(fs_path, world_size)
     fstore.add("count", 1)
     dist.barrier()  # every rank has added
-    print(f"{int(fstore.get('count'))} ranks counted in {fs_path} ({os.path.getsize(fs_path)} bytes)")
+    print(f"{int(fstore.get('count'))} ranks counted in {fs_path}, {os.path.getsize(fs_path)} bytes")
     """),
     md("""
     ## A process group straight from a store
@@ -159,7 +170,8 @@ CELLS = [
     code("""
     %%dist
     replica, local = divmod(rank, 2)  # replica A: ranks 0, 1; replica B: ranks 2, 3
-    pair = dist.ProcessGroupGloo(dist.PrefixStore(f"cross_replica/local_{local}", store), replica, 2)
+    pair_store = dist.PrefixStore(f"cross_replica/local_{local}", store)
+    pair = dist.ProcessGroupGloo(pair_store, replica, 2)  # rank in the pair: the replica
 
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=pair)
@@ -170,7 +182,7 @@ CELLS = [
     torch.distributed's registry (so ask `pair.rank()`, not `dist.get_rank(pair)`), but
     collectives take it. Each member wrote its address under the group's prefix:
     """),
-    code("sorted(k for k in kernel_store.list_keys() if k.startswith(\"cross_replica\"))"),
+    code('sorted(k for k in kernel_store.list_keys() if k.startswith("cross_replica"))'),
     md("""
     To re-create a pair (say replica B restarted), use a new prefix such as
     `cross_replica/local_0/attempt_1`; with the old one the newcomer would read the old
@@ -193,7 +205,9 @@ CELLS = [
     print("outsider: sum", t.item())
     '''
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", outsider], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", outsider], env=env, stdout=subprocess.PIPE, text=True
+    )
     """),
     code("""
     %%dist --ranks 0
@@ -242,14 +256,16 @@ CELLS = [
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free_port = sock.getsockname()[1]
+    free_port
     """),
     code("%dist_start --nprocs 2 --init-method tcp://127.0.0.1:{free_port}"),
     code("""
-    %%dist
+    %%dist --collapse
     import os
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
-    print(f"store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, all_reduce gives {t.item():.0f}")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    print(f"store at {address}, all_reduce gives {t.item():.0f}")
     """),
     code("%dist_stop"),
     md("""
@@ -262,7 +278,7 @@ CELLS = [
     %dist_push init_file
     """),
     code("""
-    %%dist
+    %%dist --collapse
     import os
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -270,8 +286,8 @@ CELLS = [
     """),
     code("%dist_stop"),
     md("""
-    torch leaves cleaning up the file to you (a leftover file breaks the next rendezvous);
-    `%dist_stop` removes it:
+    A leftover file breaks the next rendezvous on the same path (torch tries to delete it
+    when the processes exit, and leaves it to you when that fails); `%dist_stop` removes it:
     """),
     code("os.path.exists(init_file)"),
     md("""

@@ -1,0 +1,273 @@
+"""Source of notebooks/05_failures_and_recovery.ipynb (run build.py to regenerate it)."""
+
+from _nb import code, md
+
+NAME = "05_failures_and_recovery"
+
+CELLS = [
+    md("""
+    # Failures and recovery: exceptions, hangs, interrupts, dead ranks
+
+    Distributed code fails in more ways than ordinary code: one rank raises while the others
+    carry on, a collective waits forever for a rank that never comes, a rank dies. In a
+    script you read four log files and restart the job. Here each failure is a failed cell
+    that says **which ranks** failed, **how**, and **what to type next**, and your variables
+    usually survive. This notebook walks through each failure on purpose:
+
+    | failure | what the cell says | recovery |
+    |---|---|---|
+    | exception on one rank | that rank's traceback, labeled | none needed |
+    | hung collective | at the timeout: who finished, who was stuck, where | `%dist_restart` |
+    | you press stop | SIGINT to every rank; ranks stuck in C named, with stacks | see section 4 |
+    | a rank dies | the rank and its exit code or signal | `%dist_restart --hard` |
+
+    Cells that fail on purpose carry the tag `raises-exception`, so *Run All* goes on past
+    them. About ten minutes, on 4 CPU ranks; on GPUs start with `--gpus 4` instead.
+    """),
+    code("%load_ext infini_notebook"),
+    md("""
+    `--timeout 5` sets the collective timeout to 5 seconds (the default is 300). A real job
+    wants minutes, because a slow rank is not a dead one; a tutorial wants hangs to end
+    fast.
+    """),
+    code("%dist_start --nprocs 4 --tp 2 --timeout 5"),
+    md("""
+    A variable on every rank, to check later which failures keep the ranks' state:
+    """),
+    code("""
+    %%dist
+    keep = rank * 100
+    print("keep =", keep)
+    """),
+    md("""
+    ## 1. An exception on one rank
+
+    Rank 2 divides by zero; the others finish. The cell fails (so *Run All* would stop here)
+    and shows the rank's own traceback under its label, then one summary line: which ranks
+    failed with what, and which finished. Output printed before the error still shows.
+    """),
+    code(
+        """
+    %%dist
+    scale = 1 / (rank - 2)
+    print(f"rank {rank}: scale {scale:+.2f}")
+    """,
+        "raises-exception",
+    ),
+    md("""
+    Nothing else is damaged: no collective was involved, so the process groups are fine and
+    the next cell just runs. `%dist_status` marks rank 2 as `error` until its next cell
+    succeeds.
+    """),
+    code("%dist_status"),
+    code("""
+    %%dist
+    print("still fine, keep =", keep)
+    """),
+    md("""
+    ## 2. A hung collective
+
+    The classic distributed bug: a collective that not every member of the group reaches.
+    Here only rank 0 calls `all_reduce`; ranks 1-3 skip it and finish. Rank 0 waits for
+    peers that never come. In a script this hangs until someone notices. Here it ends after
+    the collective timeout (5 s), and the error says who had finished, who was stuck, and
+    where: rank 0's traceback ends in the `all_reduce` call of this cell.
+    """),
+    code(
+        """
+    %%dist
+    x = torch.ones(1)
+    if rank == 0:          # the bug: only one rank enters the collective
+        dist.all_reduce(x)
+    print("done", rank)
+    """,
+        "raises-exception",
+    ),
+    md("""
+    After a timeout the process groups cannot be trusted: a rank may have half-sent data,
+    and the next collective could pair with the leftover. `%dist_restart` rebuilds them: every
+    rank destroys its process groups and initialises new ones under a fresh store prefix
+    (`attempt_1`, so no stale key from the broken attempt is read), in the **same** engine
+    processes. Your variables stay.
+    """),
+    code("%dist_restart"),
+    code("""
+    %%dist
+    y = torch.ones(1)
+    dist.all_reduce(y)
+    print(f"all_reduce works again: {y.item():.0f}; keep = {keep}")
+    """),
+    md("""
+    ## 3. Where is each rank? `%dist_stacks`
+
+    `%dist_stacks` prints each rank's Python stack *now*. It is taken by a signal (SIGUSR1,
+    answered by `faulthandler` in C), so it works even while the rank is busy in a cell or
+    blocked inside a collective, when nothing else can reach it. Most recent call first.
+    On idle ranks it shows the engine waiting for its next message, which is not
+    interesting by itself:
+    """),
+    code("%dist_stacks --ranks 0"),
+    md("""
+    On a rank stuck in a collective the same command shows where it waits: the top frame
+    is `all_reduce` in `torch/distributed/distributed_c10d.py`, and the last one is the
+    cell itself (`File "/tmp/ipykernel_.../....py", line 2 in <module>`), so you see which
+    collective, called from which line of your cell. The kernel runs one cell at a time,
+    so you cannot type `%dist_stacks` while the stuck cell still runs; two things take the
+    stacks for you. Pressing stop prints the stacks of the ranks that do not stop (section
+    4 shows it), and the timeout error ends in the same `all_reduce` line (section 2). A
+    rank still stuck after you interrupted its cell stays stuck until the timeout; that is
+    when you run `%dist_stacks` yourself. With a production timeout of minutes, you have
+    time to look.
+
+    ## 4. Interrupting a cell
+
+    Pressing Jupyter's stop button sends SIGINT to the kernel. `%%dist` passes it on: every
+    rank running the cell gets SIGINT, Python raises `KeyboardInterrupt` there, and the
+    cell ends within a moment with `KeyboardInterrupt`. The ranks stay alive and keep their
+    variables.
+
+    A headless run has no button to press, so `press_stop` below presses it for us: a timer
+    thread sends SIGINT to this kernel process a moment later, the same signal the button
+    sends. (The kernel only treats SIGINT as an interrupt while a cell runs, so the timer is
+    armed in the same cell as the code it interrupts; that is why the next cell uses
+    `dist_session.run(...)`, the Python API behind `%%dist`, instead of the cell magic.)
+    """),
+    code("""
+    import os, signal, threading
+
+    def press_stop(after=2.0):
+        \"\"\"Send this kernel SIGINT in `after` seconds, as Jupyter's stop button does.\"\"\"
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
+    """),
+    md("""
+    Every rank sleeps for a minute; the stop "button" is pressed after 2 s, and the cell ends
+    right after with `KeyboardInterrupt`:
+    """),
+    code(
+        """
+    press_stop(after=2.0)
+    dist_session.run(\"\"\"
+    import time
+    print("sleeping for a minute...")
+    time.sleep(60)
+    \"\"\")
+    """,
+        "raises-exception",
+    ),
+    md("""
+    The ranks caught the `KeyboardInterrupt`, ended the cell, and kept their variables:
+    """),
+    code("""
+    %%dist
+    print("awake, keep =", keep)
+    """),
+    md("""
+    ### A rank that ignores the interrupt
+
+    Python reacts to a signal only between bytecodes. A rank blocked in native code (a
+    collective waiting for its peers, a long CUDA synchronize) cannot raise
+    `KeyboardInterrupt` until that call returns. So after the SIGINT, `%%dist` waits 3 s;
+    ranks still running then are named, with their stacks (what `%dist_stacks` would show):
+    the top frame is the collective, the bottom one the line of the cell that called it.
+    Here rank 0 is again alone in an `all_reduce`:
+    """),
+    code(
+        """
+    press_stop(after=1.0)
+    dist_session.run(\"\"\"
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    \"\"\")
+    """,
+        "raises-exception",
+    ),
+    md("""
+    The stuck rank stays busy until the collective timeout (5 s here) frees it, and a soft
+    restart refuses while any rank is still running old code (it would say so and point to
+    `%dist_stacks` and `--hard`). So wait out the timeout, then rebuild the groups as in
+    section 2; the variables are kept once more. (`%dist_restart --hard` would not wait, but
+    loses the variables.)
+    """),
+    code("""
+    import time
+    time.sleep(5)  # the 5 s collective timeout frees rank 0
+    """),
+    code("%dist_restart"),
+    code("""
+    %%dist
+    y = torch.ones(1)
+    dist.all_reduce(y)
+    print(f"sum {y.item():.0f}, keep = {keep}")
+    """),
+    md("""
+    ## 5. A dead rank
+
+    A rank can die outright: killed for using too much memory, a segfault in an extension, a
+    CUDA error that takes down the process. Here rank 2 exits with status 7 while the others
+    head into an `all_reduce` that now can never complete. The session watches the engine
+    processes, so the cell does not wait for the timeout: within a second it fails, naming
+    rank 2 and its exit code (or the signal that killed it), and interrupts the survivors.
+    """),
+    code(
+        """
+    %%dist
+    import os, time
+    if rank == 2:
+        os._exit(7)          # dies without a word: no exception, no traceback
+    time.sleep(0.5)
+    dist.all_reduce(torch.ones(1))
+    """,
+        "raises-exception",
+    ),
+    md("""
+    `%dist_status` shows the dead rank (in a live notebook these tiles update by themselves
+    while cells run; a static render shows the state at the time):
+    """),
+    code("%dist_status"),
+    md("""
+    A soft restart cannot bring a process back to life, so it refuses and names the fix.
+    (Running a `%%dist` cell now would refuse the same way.)
+    """),
+    code("%dist_restart", "raises-exception"),
+    md("""
+    `%dist_restart --hard` stops every engine and starts new ones, with new process groups
+    under a fresh store prefix. It takes as long as `%dist_start`, and everything the ranks
+    held is gone: variables, models, optimizer state. Save what you cannot recompute
+    (`%dist_pull`, or `torch.save` on the ranks) before you need a hard restart.
+    """),
+    code("%dist_restart --hard"),
+    code("""
+    %%dist
+    y = torch.ones(1)
+    dist.all_reduce(y)
+    print(f"sum {y.item():.0f}; 'keep' still defined: {'keep' in globals()}")
+    """),
+    md("""
+    ## 6. When the kernel itself dies
+
+    Restarting or shutting down the kernel ends the session's processes, and so does a
+    kernel that is killed outright (SIGKILL, the out-of-memory killer): each engine watches
+    the kernel process and exits when it is gone, and a small watchdog process ends the
+    controller and any engine left over. Everything the session started is gone within
+    seconds: no orphaned ranks holding GPU memory or ports. Only processes the session
+    started itself (checked by pid and start time) are ever signalled.
+
+    `%dist_stop` ends the session now:
+    """),
+    code("%dist_stop"),
+    md("""
+    ## Summary
+
+    - **Exception on some ranks**: the cell fails with each rank's traceback labeled; the
+      session is fine, run the next cell.
+    - **Hung collective**: start with a `--timeout` that suits your job; when it fires, the
+      error names who finished and where the stuck ranks waited. `%dist_restart` rebuilds the
+      process groups and keeps every variable.
+    - **`%dist_stacks`**: where every rank is now, even inside a collective.
+    - **Stop button**: SIGINT to every rank; ranks stuck in native code are named with their
+      stacks after 3 s and freed by the collective timeout.
+    - **Dead rank**: named with its exit code within a second; `%dist_restart --hard` starts
+      fresh engines, and the variables are lost.
+    - **Kernel gone**: every process of the session ends within seconds.
+    """),
+]
