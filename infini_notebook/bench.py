@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import DistUsageError
@@ -540,7 +540,7 @@ def run_bench(
     warmup: int = 5,
     dtype: str = "float32",
     check: bool = False,
-    progress: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
     corrupt_rank: int | None = None,
 ) -> pd.DataFrame:
     """Sweep ``collectives`` x group kinds x sizes on every rank of ``session``.
@@ -550,6 +550,7 @@ def run_bench(
     "MIN:MAX" stepping by ``factor`` (default 4K:1G on GPUs, 1K:1M on CPU). Returns one row
     per (collective, group, size) with nccl-tests' size, count, time, algbw and busbw.
     ``check`` adds a ``wrong`` column; ``corrupt_rank`` (tests) perturbs that rank's input.
+    ``progress(done, total, what)`` is told after every step (viz.Progress draws it).
     """
     collectives = check_collectives([collectives] if isinstance(collectives, str) else collectives)
     layout = session.layout
@@ -565,10 +566,14 @@ def run_bench(
         for kind in dict.fromkeys(kinds) for coll in collectives for size in size_list
     ]  # fmt: skip
     rows, timers = [], set()
-    for step in _progress(steps, progress, "dist_bench"):
+    for i, step in enumerate(steps):
+        if progress:
+            progress(i, len(steps), f"{step['collective']} {step['kind']} {step['size']} B")
         replies = session.apply(engine_step, step)
         timers.update(r["timer"] for r in replies.values() if r)
         rows += aggregate(step, replies)
+    if progress:
+        progress(len(steps), len(steps), "steps done")
     return to_frame(
         rows, check, iters=iters, warmup=warmup, timer="/".join(sorted(timers)),
         backend=session.plan.backend,
@@ -582,7 +587,7 @@ def run_p2p(
     iters: int = 20,
     warmup: int = 5,
     dtype: str = "float32",
-    progress: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> pd.DataFrame:
     """Send bandwidth (GB/s) for every ordered pair of ranks: a src x dst DataFrame, NaN on
     the diagonal. Pairs run one at a time, so each measures its link alone."""
@@ -596,10 +601,14 @@ def run_p2p(
         raise DistUsageError("p2p needs at least 2 ranks: start the session with more.")
     times: dict[tuple[int, int], list[float]] = {}
     spec = {"size": nbytes, "iters": iters, "warmup": warmup, "dtype": dtype}
-    for src in _progress(range(session.world_size), progress, "dist_bench p2p"):
+    for src in range(session.world_size):
+        if progress:
+            progress(src, session.world_size, f"sending from rank {src}")
         for got in session.apply(engine_p2p, dict(spec, src=src)).values():
             for peer, seconds in got.items():
                 times.setdefault((src, peer), []).append(seconds)
+    if progress:
+        progress(session.world_size, session.world_size, "pairs done")
     df = p2p_frame(times, session.world_size, nbytes)
     df.attrs.update(iters=iters, warmup=warmup, dtype=dtype, backend=session.plan.backend)
     return df
@@ -622,11 +631,3 @@ def _default_sizes(session) -> str:
 
 def _default_p2p_size(session) -> str:
     return "64M" if session.plan.backend == "nccl" else "1M"
-
-
-def _progress(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, leave=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -17,18 +18,22 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from . import engine
-from .errors import DistCellError, DistUsageError
+from .errors import DistCellError, DistInterrupted, DistUsageError
 from .output import StreamLabeler, error_report, error_summary, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 
 log = logging.getLogger("infini_notebook")
+
+# ``progress(done, total, what)``: how long work reports how far it got (viz.Progress draws it)
+Progress = Callable[[int, int, str], None]
 
 _current: Session | None = None
 
@@ -63,9 +68,10 @@ def current() -> Session | None:
     return _current if _current is not None and _current.running else None
 
 
-def start(**options) -> Session:
+def start(progress: Progress | None = None, **options) -> Session:
     """Start a session; options as ``%dist_start`` takes them (``nprocs=4``, ``gpus=8``,
-    ``tp=2`` ...). Raises DistUsageError before starting anything when an option is wrong."""
+    ``tp=2`` ...). Raises DistUsageError before starting anything when an option is wrong.
+    ``progress(done, total, what)`` is called as engines come up and ranks initialise."""
     global _current
     if current() is not None:
         raise DistUsageError(
@@ -74,7 +80,7 @@ def start(**options) -> Session:
         )
     plan = plan_from_options(**options)
     session = Session(plan)
-    session.start()
+    session.start(progress)
     _current = session
     return session
 
@@ -116,9 +122,10 @@ class Session:
         self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
         self._lock = threading.Lock()
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
+        self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
 
     # ----- start / stop -------------------------------------------------------------------
-    def start(self, progress: bool | None = None) -> Session:
+    def start(self, progress: Progress | None = None) -> Session:
         t0 = time.perf_counter()
         try:
             self._start_store()
@@ -139,11 +146,11 @@ class Session:
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
 
-    def _launch(self, progress: bool | None) -> None:
+    def _launch(self, progress: Progress | None) -> None:
         """Engines up, ranks bootstrapped, watchdog armed (also what a hard restart redoes)."""
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self._start_engines(progress)
-        self._bootstrap()
+        self._bootstrap(progress)
         started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         self._start_watchdog(started)
 
@@ -202,7 +209,7 @@ class Session:
                 "Pick a free port, or use the default env:// init method."
             ) from None
 
-    def _start_engines(self, progress: bool | None) -> None:
+    def _start_engines(self, progress: Progress | None) -> None:
         import ipyparallel as ipp
 
         from . import launchers
@@ -217,9 +224,23 @@ class Session:
             self._cluster.start_engines(self.world_size, **launchers.engine_options(self.plan))
         )
         self._client = self._in_loop(self._cluster.connect_client())
-        self._client.wait_for_engines(self.world_size, timeout=120, interactive=progress)
+        self._wait_for_engines(progress)
         identities = self._client[:].apply_async(engine.identity).get_dict(timeout=60)
         self._eids = launchers.assign_ranks(identities, self.plan)
+
+    def _wait_for_engines(self, progress: Progress | None, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while (up := len(self._client.ids)) < self.world_size:
+            if progress:
+                progress(up, self.world_size, "engines up")
+            stopped = [es for es in self._cluster.engines.values() if es.state == "after"]
+            if stopped:
+                raise RuntimeError(f"engines exited while starting: {stopped[0].stop_data}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {up} of {self.world_size} engines came up in {timeout}s")
+            time.sleep(0.05)
+        if progress:
+            progress(self.world_size, self.world_size, "engines up")
 
     def _engine(self, rank: int):
         """The ipyparallel view of one rank's engine."""
@@ -255,6 +276,7 @@ class Session:
             "local_world_size": local_world,
             "group_rank": group_rank,
             "watch": "store" if self.plan.placement.multi_host else "pid",
+            "loopback_only": self.plan.bind_address in ("127.0.0.1", "localhost"),
             "master_addr": self._store.host,
             "master_port": self._store.port,
             "backend": self.plan.backend,
@@ -272,11 +294,18 @@ class Session:
     def _stack_file(self, rank: int) -> str:
         return os.path.join(self._workdir, f"stacks-rank{rank}.txt")
 
-    def _bootstrap(self) -> None:
+    def _bootstrap(self, progress: Progress | None = None) -> None:
         pending = {
             r: self._engine(r).apply_async(engine.bootstrap, self._engine_config(r))
             for r in range(self.world_size)
         }
+        if progress:  # the gather below reports errors; this only counts finished ranks
+            while (done := sum(ar.ready() for ar in pending.values())) < self.world_size:
+                progress(done, self.world_size, "ranks initialised")
+                if any(ar.ready() and not ar.successful() for ar in pending.values()):
+                    break
+                time.sleep(0.05)
+            progress(done, self.world_size, "ranks initialised")
         infos = self._gather(pending, what="start")
         self._record_ranks(infos)
 
@@ -362,7 +391,7 @@ class Session:
         self._pids = {}
 
     # ----- recovery -----------------------------------------------------------------------
-    def restart(self, hard: bool = False) -> None:
+    def restart(self, hard: bool = False, progress: Progress | None = None) -> None:
         """Soft: new process groups under a fresh store prefix on the same engines, keeping
         every variable. Hard: new engines (variables are lost). A soft restart that cannot
         work (a rank is dead, or stuck in native code) says so and names --hard."""
@@ -372,7 +401,7 @@ class Session:
         if hard:
             self._stop_processes()
             self._errored = set()
-            self._launch(progress=None)
+            self._launch(progress)
             self.running = True
             return
         self._require_running()
@@ -398,6 +427,19 @@ class Session:
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
         self._errored = set()
+
+    def _still_stuck(self) -> set[int]:
+        """Ranks that ignored an interrupt, until their engine's queue drains."""
+        with self._lock:
+            if not self._stuck:
+                return set()
+        try:
+            running = set(self._stuck_ranks())
+        except Exception:
+            return set(self._stuck)
+        with self._lock:
+            self._stuck &= running
+            return set(self._stuck)
 
     def _stuck_ranks(self) -> list[int]:
         """Ranks whose engine still has work queued or running."""
@@ -463,8 +505,8 @@ class Session:
         try:
             self._follow(ar, targets, labeler, printer, shown)
         except KeyboardInterrupt:
-            self._interrupt(ar, targets)
-            raise
+            stuck = self._interrupt(ar, targets)
+            raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
         finally:
             self._set_busy([])
         result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
@@ -478,10 +520,13 @@ class Session:
 
     def _follow(self, ar, targets, labeler, printer, shown) -> None:
         """Stream output while the cell runs; notice ranks that die."""
-        last_check = time.monotonic()
+        t0 = last_check = time.monotonic()
         while not ar.ready():
             ar.wait(0.05)
-            self._show_progress(ar, targets, labeler, printer, shown, final=False)
+            # --collapse holds output back a little, so that lines the ranks print at about
+            # the same time arrive together and can be merged.
+            if not labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
+                self._show_progress(ar, targets, labeler, printer, shown, final=False)
             if time.monotonic() - last_check > 0.5:
                 last_check = time.monotonic()
                 dead = self._dead_ranks(targets)
@@ -520,15 +565,17 @@ class Session:
         self._last_tracebacks = error_report(tracebacks)
         return result
 
-    def _interrupt(self, ar, targets) -> None:
+    def _interrupt(self, ar, targets) -> list[int]:
         """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
         code, such as a collective whose peers never came), show where they are and what to
         do: they stay stuck until the collective timeout fires."""
         self.signal(signal.SIGINT, targets)
         ar.wait(INTERRUPT_GRACE_S)
         if ar.ready():
-            return
+            return []
         stuck = [r for r in targets if not _done(ar, targets, r)]
+        with self._lock:
+            self._stuck = set(stuck)
         stacks = self.stacks(stuck)
         report = "".join(
             f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck
@@ -540,6 +587,7 @@ class Session:
             "keeps your variables. %dist_restart --hard restarts the engines now.",
             file=sys.stderr,
         )
+        return stuck
 
     def _fail_dead(self, ar, targets, dead: dict[int, str]) -> None:
         alive = [r for r in targets if r not in dead]
@@ -627,6 +675,7 @@ class Session:
         """Each rank's pid, device and state (idle, busy, error, dead)."""
         with self._lock:
             busy = set(self._busy)
+        stuck = self._still_stuck()
         for rs in self.ranks:
             proc = self._pids.get(rs.rank)
             if proc is None or not self.running:
@@ -635,6 +684,8 @@ class Session:
                 if rs.state != "dead":  # look the exit code up once
                     rs.exit_code = self._exit_code(proc)
                 rs.state = "dead"
+            elif rs.rank in stuck:
+                rs.state = "stuck"
             elif rs.rank in busy:
                 rs.state = "busy"
             elif rs.rank in self._errored:
@@ -642,13 +693,6 @@ class Session:
             else:
                 rs.state = "idle"
         return list(self.ranks)
-
-    def status_text(self) -> str:
-        rows = [f"{'rank':>4}  {'pid':>7}  {'device':<10} {'state':<6} coords"]
-        for rs in self.status():
-            coords = " ".join(f"{k}={v}" for k, v in rs.coords.items())
-            rows.append(f"{rs.rank:>4}  {rs.pid:>7}  {rs.device:<10} {rs.state:<6} {coords}")
-        return "\n".join(rows)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -707,9 +751,12 @@ def _done(ar, targets, rank) -> bool:
     return md.get("status") is not None or md.get("completed") is not None
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
 def _one_line(e: BaseException) -> str:
     ename = getattr(e, "ename", type(e).__name__)
-    evalue = getattr(e, "evalue", str(e))
+    evalue = _SOURCE_PREFIX.sub("", str(getattr(e, "evalue", str(e))).strip())
     first = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
     return f"{ename}: {first}" if first else ename
 
@@ -728,18 +775,26 @@ def _remote_traceback(e: BaseException) -> str:
 
 
 INTERRUPT_GRACE_S = 3.0
+COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
+    if not stuck:
+        return f"cell interrupted; {rank_label(targets)[1:-1]} stopped. The session is ready."
+    return (
+        f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
+        "see the stacks above)."
+    )
 
 
 def _advice(errors: dict[int, str], targets: list[int]) -> str:
     """What to do next, for failures that leave the process groups unusable."""
     if any(w in e.lower() for e in errors.values() for w in _TIMEOUT_WORDS):
-        finished = [r for r in targets if r not in errors]
-        who = f"; {rank_label(finished)[1:-1]} had finished" if finished else ""
         return (
-            f". A collective timed out: {rank_label(sorted(errors))[1:-1]} waited for peers "
-            f"that never joined{who}. Their tracebacks show where. The process groups are "
-            "likely broken: run %dist_restart (keeps variables)."
+            ". A collective timed out: the failing ranks waited for peers that never joined; "
+            "their tracebacks show where. The process groups are likely broken: run "
+            "%dist_restart (keeps variables)."
         )
     return ""
 

@@ -70,9 +70,22 @@ def _set_environment(cfg: dict) -> None:
     }
     if cfg.get("gpu") is not None:
         env["CUDA_VISIBLE_DEVICES"] = cfg["gpu"]
+    if cfg.get("loopback_only") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = _loopback_interface()
+        if iface:  # gloo listens where the hostname resolves, maybe a public address
+            env["GLOO_SOCKET_IFNAME"] = iface
     for key, value in env.items():
         os.environ[key] = str(value)
     _STATE["cfg"] = cfg
+
+
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
 
 
 def _pick_device(torch, cfg: dict):

@@ -29,3 +29,10 @@ class DistCellError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = self.report.splitlines() if self.report else []
         return lines + [f"\x1b[0;31mDistCellError\x1b[0m: {self.summary}"]
+
+
+class DistInterrupted(DistCellError):
+    """The user stopped a running cell (Jupyter's stop button, Ctrl-C)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self.summary}"]

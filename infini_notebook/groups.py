@@ -134,6 +134,11 @@ class ParallelLayout:
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in DIMS}
 
+    def _repr_html_(self) -> str:
+        from .viz import layout_html  # rendering lives in viz; imported only when shown
+
+        return layout_html(self)
+
     def describe(self) -> str:
         parts = " x ".join(f"{d} {getattr(self, d)}" for d in DIMS)
         z = f", zero1 {self.zero1}" if self.zero1 else ""

@@ -83,7 +83,10 @@ class DistMagics(Magics):
         groups, mesh and layout. Example: %dist_start --nprocs 4 --tp 2
         """
         args = parse_argstring(self.dist_start, line)
+        from . import viz
+
         session = cluster.start(
+            progress=viz.Progress("%dist_start"),
             gpus=args.gpus,
             nprocs=args.nprocs,
             backend=args.backend,
@@ -154,11 +157,15 @@ class DistMagics(Magics):
         for a dead rank or one stuck in native code.
         """
         args = parse_argstring(self.dist_restart, line)
+        from . import viz
+
         session = _session()
         t0 = time.perf_counter()
-        session.restart(hard=args.hard)
+        session.restart(
+            hard=args.hard, progress=viz.Progress("%dist_restart") if args.hard else None
+        )
         how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
-        print(f"Restarted ({how}) in {time.perf_counter() - t0:.1f}s.")
+        print(f"Restarted ({how}) in {time.perf_counter() - t0:.2f}s.")
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to show (default all)")
@@ -281,6 +288,9 @@ class DistMagics(Magics):
     @argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     @argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 ...")
     @argument("--check", action="store_true", help="verify results, count wrong elements")
+    @argument(
+        "--view", action="store_true", help="interactive view: pick collective, group, busbw/algbw"
+    )
     @argument("-o", "--out", default=None, help="notebook variable for the DataFrame")
     @line_magic
     def dist_bench(self, line: str):
@@ -299,8 +309,9 @@ class DistMagics(Magics):
             if args.collectives != ["p2p"] or args.groups:
                 raise DistUsageError("p2p runs alone: %dist_bench p2p [--sizes 4M] [--iters N].")
             result = bench.run_p2p(
-                session, args.sizes, iters=args.iters, warmup=args.warmup, dtype=args.dtype
-            )
+                session, args.sizes, iters=args.iters, warmup=args.warmup, dtype=args.dtype,
+                progress=viz.Progress("%dist_bench p2p"),
+            )  # fmt: skip
             print(result.round(3).to_string())
             fig = viz.p2p_heatmap(result)
         else:
@@ -314,9 +325,13 @@ class DistMagics(Magics):
                 warmup=args.warmup,
                 dtype=args.dtype,
                 check=args.check,
+                progress=viz.Progress("%dist_bench"),
             )
             print(bench.format_table(result))
             fig = viz.plot_busbw(result)
-        display(Image(data=viz.figure_png(fig), format="png"))
+        if args.view and "p2p" not in args.collectives:
+            display(viz.bench_view(result))  # dropdowns + busbw/algbw toggle
+        else:
+            display(Image(data=viz.figure_png(fig), format="png"))
         if args.out:
             self.shell.user_ns[args.out] = result

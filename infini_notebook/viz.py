@@ -45,7 +45,7 @@ STATE_COLORS = {
     "idle": "#2e9d4f",
     "busy": "#e0a100",
     "error": "#d33c3c",
-    "stuck": "#8e44ad",  # not reported by Session.status() yet; shown if it ever is
+    "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
     "dead": "#444444",
     "stopped": "#9e9e9e",
 }
@@ -529,11 +529,11 @@ def status_html(states: Sequence[RankState], layout: ParallelLayout | None = Non
 
 def status_text(states: Sequence[RankState], layout: ParallelLayout | None = None) -> str:
     rows = [status_summary(states)]
-    rows.append(f"{'rank':>4}  {'state':<8} {'coords':<14} {'host':<16} {'pid':>7}  device")
+    rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
     for rs in states:
         coords = coords_label(rs.coords, layout)
         rows.append(
-            f"{rs.rank:>4}  {state_text(rs):<8} {coords:<14} {rs.host[:16]:<16} "
+            f"{rs.rank:>4}  {state_text(rs):<13} {coords:<14} {rs.host[:16]:<16} "
             f"{rs.pid:>7}  {device_text(rs)}"
         )
     return "\n".join(rows)
@@ -658,6 +658,47 @@ def _in_kernel() -> bool:
         return False
     ip = get_ipython()
     return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+class Progress:
+    """A progress bar drawn as a display updated in place (display_id): live while work
+    runs, and a saved notebook keeps its last state (a saved widget reads '0%').
+    Call it as ``progress(done, total, what)``; outside a kernel it stays silent."""
+
+    WIDTH = 30
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self._t0 = time.monotonic()
+        self._shown_at = 0.0
+        self._handle = None
+        self._state = (0, 0, "")
+        if _in_kernel():
+            from IPython.display import display
+
+            self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        self._state = (done, total, what)
+        now = time.monotonic()
+        if self._handle is None or (now - self._shown_at < 0.1 and done < total):
+            return
+        self._shown_at = now
+        self._handle.update(self._bundle(), raw=True)
+
+    def _bundle(self) -> dict:
+        done, total, what = self._state
+        frac = done / total if total else 0.0
+        filled = int(round(frac * self.WIDTH))
+        elapsed = time.monotonic() - self._t0
+        tail = f"{done}/{total} {what} ({elapsed:.1f} s)" if total else "starting..."
+        text = f"{self.desc}: [{'#' * filled}{'.' * (self.WIDTH - filled)}] {tail}"
+        html = (
+            f'<div class="infini-progress">{_esc(self.desc)}: '
+            f'<progress value="{done}" max="{max(total, 1)}" style="width:14em"></progress> '
+            f"{_esc(tail)}</div>"
+        )
+        return {"text/plain": text, "text/html": html}
 
 
 def session_mimebundle(session: Session) -> dict:

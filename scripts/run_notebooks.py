@@ -3,7 +3,8 @@
     .venv/bin/python scripts/run_notebooks.py notebooks/*.ipynb --out out/notebooks
     .venv/bin/python scripts/run_notebooks.py notebooks/*.ipynb --inplace   # refresh outputs
 
-``--inplace`` is how the committed outputs are regenerated.
+Executed copies are made static for code hosts (see ``static_outputs``). The committed
+notebooks are regenerated from their sources with scripts/notebook_sources/build.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def execute(path: str, timeout: int) -> nbformat.NotebookNode:
@@ -32,6 +34,26 @@ def execute(path: str, timeout: int) -> nbformat.NotebookNode:
     return nb
 
 
+def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Widget outputs -> their static fallback (text/html), or nothing when they have none;
+    no saved widget state. GitHub and nbconvert cannot draw live widgets (they render
+    blank); re-running the notebook in Jupyter brings them back."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.outputs:
+            data = out.get("data", {})
+            if WIDGET_VIEW in data:
+                if "text/html" not in data:
+                    continue
+                del data[WIDGET_VIEW]
+            kept.append(out)
+        cell.outputs = kept
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+")
@@ -43,7 +65,7 @@ def main() -> int:
     for path in args.notebooks:
         t0 = time.perf_counter()
         try:
-            nb = execute(path, args.timeout)
+            nb = static_outputs(execute(path, args.timeout))
         except CellExecutionError as e:
             print(f"FAILED {path}:\n{e}", file=sys.stderr)
             return 1

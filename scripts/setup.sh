@@ -25,6 +25,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "$want" > "$stamp"
 fi
 
-if [[ -n "$extra" && -x scripts/install_browser.sh ]]; then
+if [[ -n "$extra" ]]; then
     scripts/install_browser.sh
+    scripts/install_multinode.sh || echo "setup: no sshd/OpenMPI; the multi-host tests will skip"
 fi

@@ -36,7 +36,8 @@ def test_hung_collective_fails_at_timeout_and_soft_restart_recovers(kernel):
     FAULT_TIMINGS["hung collective: detect (timeout 5 s)"] = took
     err = error_text(cell)
     assert "rank 0" in err and "timed out" in err.lower()
-    assert "ranks 1-3 had finished" in err and "%dist_restart" in err
+    assert "ranks 1-3 finished" in err and "%dist_restart" in err
+    assert "unbound_buffer.cc" not in err.split("DistCellError")[-1]  # no C++ paths in summary
     assert "all_reduce" in err  # where the stuck rank was
     assert took < 15
     cell, took = timed(kernel, "%dist_restart")

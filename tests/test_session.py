@@ -136,3 +136,21 @@ def test_init_methods_tcp_and_file(kernel, method, tmp_path):
     )
     assert "[rank 0] 3.0" in out and "[rank 1] 3.0" in out
     kernel.run("%dist_stop")
+
+
+def test_collapse_merges_ranks_that_print_at_slightly_different_times(kernel):
+    kernel.run("%dist_start --nprocs 4", timeout=180)
+    out = text_of(
+        kernel.run("%%dist --collapse\nimport time\ntime.sleep(rank * 0.2)\nprint('same')")
+    )
+    assert out.strip() == "[ranks 0-3] same"
+    kernel.run("%dist_stop")
+
+
+def test_start_shows_a_progress_bar_that_ends_complete(kernel):
+    cell = kernel.run("%dist_start --nprocs 2", timeout=180)
+    bars = [o for o in cell.outputs if "%dist_start" in o.get("data", {}).get("text/plain", "")]
+    assert bars, "a progress display"
+    # the display is updated in place; nbclient keeps the last state
+    assert "2/2 ranks initialised" in bars[-1]["data"]["text/plain"]
+    kernel.run("%dist_stop")

@@ -108,11 +108,6 @@ def test_static_fallbacks_name_every_rank_with_coords():
 # --------------------------------------------------------------------------- group grid widget
 
 
-@pytest.mark.xfail(
-    not hasattr(ParallelLayout, "_repr_html_"),
-    reason="hook pending in groups.py: ParallelLayout._repr_html_ -> viz.layout_html",
-    strict=True,
-)
 def test_parallel_layout_html_repr_is_the_grid():
     layout = ParallelLayout(8, tp=2, pp=2)
     assert layout._repr_html_() == viz.layout_html(layout)

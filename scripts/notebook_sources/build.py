@@ -29,35 +29,15 @@ sys.path.insert(0, HERE)
 
 from _nb import REPO, save  # noqa: E402
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
-
-def execute(path: str, timeout: int = 600) -> nbformat.NotebookNode:
-    """scripts/run_notebooks.py's ``execute``, so both run notebooks the same way."""
+def _run_notebooks():
+    """scripts/run_notebooks.py, so both run notebooks the same way."""
     spec = importlib.util.spec_from_file_location(
         "run_notebooks", os.path.join(REPO, "scripts", "run_notebooks.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.execute(path, timeout)
-
-
-def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Widget outputs -> their static fallback (text/html) or nothing; no widget state."""
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        kept = []
-        for out in cell.outputs:
-            data = out.get("data", {})
-            if WIDGET_VIEW in data:
-                if "text/html" not in data:
-                    continue  # e.g. a progress bar: its text is a stale "0%"
-                del data[WIDGET_VIEW]
-            kept.append(out)
-        cell.outputs = kept
-    nb.metadata.pop("widgets", None)
-    return nb
+    return module
 
 
 def main() -> int:
@@ -75,7 +55,8 @@ def main() -> int:
         if args.no_run:
             continue
         t0 = time.perf_counter()
-        nb = static_outputs(execute(path))
+        runner = _run_notebooks()
+        nb = runner.static_outputs(runner.execute(path, 600))
         nbformat.write(nb, path)
         print(f"executed {os.path.relpath(path, REPO)} in {time.perf_counter() - t0:.0f}s")
     return 0
