@@ -816,7 +816,8 @@ def main_thread_stack(dump: str) -> str:
     for i, line in enumerate(lines):
         if "IPython/core/interactiveshell.py" in line:
             return "\n".join(lines[:i])
-    if any("ipyparallel/engine" in line for line in lines):
+    frames = [line for line in lines if line.lstrip().startswith("File ")]
+    if frames and "selectors.py" in frames[0]:  # most recent call: waiting for a message
         return "idle: no cell running (waiting in the engine's event loop)"
     return block
 

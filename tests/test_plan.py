@@ -131,3 +131,21 @@ def test_identical_tracebacks_are_shown_once():
 def test_tracebacks_differing_only_in_cell_number_are_grouped():
     report = error_report({0: "Cell In[3], line 1\nNameError", 2: "Cell In[7], line 1\nNameError"})
     assert report.startswith("[ranks 0,2]\nCell In[3]")
+
+
+def test_main_thread_stack_keeps_the_cell_frames_only():
+    from infini_notebook.cluster import main_thread_stack
+
+    dump = (
+        'Thread 0x1 (most recent call first):\n  File "threading.py", line 1 in wait\n\n'
+        'Current thread 0x2 (most recent call first):\n'
+        '  File "torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/tmp/ipykernel_1/2.py", line 2 in <module>\n'
+        '  File "IPython/core/interactiveshell.py", line 3577 in run_code\n'
+        '  File "ipyparallel/engine/kernel.py", line 1 in do_execute\n'
+    )
+    stack = main_thread_stack(dump)
+    assert "all_reduce" in stack and "ipykernel_1/2.py" in stack
+    assert "run_code" not in stack and "threading.py" not in stack
+    idle = 'Current thread 0x2:\n  File "selectors.py", line 468 in select\n  File "x.py", line 1'
+    assert main_thread_stack(idle).startswith("idle")
