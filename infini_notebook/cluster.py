@@ -27,7 +27,7 @@ import psutil
 from . import engine
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .output import StreamLabeler, error_report, error_summary, prefix_lines
-from .plan import SessionPlan, make_plan
+from .plan import LOOPBACK, SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 
 log = logging.getLogger("infini_notebook")
@@ -187,7 +187,7 @@ class Session:
         import torch.distributed as dist
 
         method = self.plan.init_method
-        if self.plan.bind_address not in ("127.0.0.1", "localhost", "::1"):
+        if self.plan.bind_address not in LOOPBACK:
             warnings.warn(
                 f"Listening on {self.plan.bind_address}: the rendezvous TCPStore has no "
                 "authentication, so anyone who reaches that address can join or disturb the "
@@ -276,7 +276,7 @@ class Session:
             "local_world_size": local_world,
             "group_rank": group_rank,
             "watch": "store" if self.plan.placement.multi_host else "pid",
-            "loopback_only": self.plan.bind_address in ("127.0.0.1", "localhost"),
+            "loopback_only": self.plan.bind_address in LOOPBACK,
             "master_addr": self._store.host,
             "master_port": self._store.port,
             "backend": self.plan.backend,
