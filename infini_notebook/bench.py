@@ -614,6 +614,18 @@ def run_p2p(
     return df
 
 
+def p2p_by_locality(matrix: pd.DataFrame, hosts: Sequence[str]) -> dict[str, float]:
+    """Mean send bandwidth (GB/s) of intra-node and of inter-node pairs."""
+    sums: dict[str, list[float]] = {"intra-node": [], "inter-node": []}
+    for src in matrix.index:
+        for dst in matrix.columns:
+            value = matrix.loc[src, dst]
+            if src != dst and value == value:  # skip the diagonal and NaN
+                kind = "intra-node" if hosts[src] == hosts[dst] else "inter-node"
+                sums[kind].append(float(value))
+    return {k: sum(v) / len(v) for k, v in sums.items() if v}
+
+
 def _as_list(value, default: str) -> list[str]:
     if value is None:
         return [default]

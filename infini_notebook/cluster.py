@@ -309,6 +309,13 @@ class Session:
         infos = self._gather(pending, what="start")
         self._record_ranks(infos)
 
+    def _host_name(self, rank: int, reported: str) -> str:
+        """The host as the user named it in --hosts (two hosts may share a hostname)."""
+        place = self.plan.placement
+        if not place.multi_host or place.launcher == "slurm":  # Slurm picks the nodes
+            return reported
+        return place.hosts[place.rank_places(self.world_size)[rank][0]][0]
+
     def _record_ranks(self, infos: dict[int, dict]) -> None:
         from .groups import ParallelLayout
 
@@ -322,7 +329,7 @@ class Session:
                 RankState(
                     rank=r,
                     pid=info["pid"],
-                    host=info["host"],
+                    host=self._host_name(r, info["host"]),
                     device=info["device"],
                     device_name=info["device_name"],
                     memory_used=info["memory_used"],

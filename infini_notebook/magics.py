@@ -313,7 +313,10 @@ class DistMagics(Magics):
                 progress=viz.Progress("%dist_bench p2p"),
             )  # fmt: skip
             print(result.round(3).to_string())
-            fig = viz.p2p_heatmap(result)
+            hosts = [rs.host for rs in session.status()]
+            for kind, gbps in bench.p2p_by_locality(result, hosts).items():
+                print(f"mean {kind} send bandwidth: {gbps:.3f} GB/s")
+            fig = viz.p2p_heatmap(result, hosts=hosts)
         else:
             result = bench.run_bench(
                 session,

@@ -794,10 +794,13 @@ def _size_formatter():
     return FuncFormatter(lambda x, _pos: size_label(x))
 
 
-def p2p_heatmap(matrix: Any, title: str | None = None) -> Figure:
+def p2p_heatmap(
+    matrix: Any, title: str | None = None, hosts: Sequence[str] | None = None
+) -> Figure:
     """Sender x receiver bandwidth (``bench.run_p2p``'s src x dst DataFrame, or any square
     array; NaN diagonal left blank): a slow link is a dark cell, a slow rank a dark row and
-    column. Values are printed in the cells up to 16 ranks."""
+    column. Values are printed in the cells up to 16 ranks. ``hosts`` (one per rank): white
+    lines fence each host's block, so intra-node pairs sit on the diagonal blocks."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -815,6 +818,11 @@ def p2p_heatmap(matrix: Any, title: str | None = None) -> Figure:
     ax.set_ylabel(f"{getattr(index, 'name', None) or 'sender'} rank")
     size = getattr(matrix, "attrs", {}).get("size_bytes")
     ax.set_title(title or "send/recv bandwidth" + (f", {size_label(size)}B" if size else ""))
+    if hosts is not None and len(set(hosts)) > 1:
+        for i in range(n - 1):
+            if hosts[i] != hosts[i + 1]:
+                ax.axhline(i + 0.5, color="white", linewidth=2)
+                ax.axvline(i + 0.5, color="white", linewidth=2)
     if n <= 16 and np.isfinite(values).any():
         top = np.nanmax(values)
         for (i, j), v in np.ndenumerate(values):

@@ -262,3 +262,12 @@ def test_gpu_sweep_with_cuda_events():
         timeout=280,
     )
     assert "GPU-BENCH-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_p2p_by_locality_separates_intra_and_inter_node_pairs():
+    import numpy as np
+    import pandas as pd
+
+    m = pd.DataFrame([[np.nan, 10.0, 1.0], [10.0, np.nan, 2.0], [1.0, 2.0, np.nan]])
+    got = bench.p2p_by_locality(m, ["a", "a", "b"])
+    assert got == {"intra-node": 10.0, "inter-node": 1.5}

@@ -156,6 +156,13 @@ def test_two_host_ssh_session(hosts):
         assert "[rank 1] 1 0 2 6.0 1.0" in out
         assert "[rank 2] 0 1 2 6.0 5.0" in out
         assert "[rank 3] 1 1 2 6.0 5.0" in out
+        status = text_of(k.run("%dist_status"))
+        assert status.count(a) == 2 and status.count(b) == 2  # tiles name their host
+        grid = k.run("%dist_groups --color-by dp")
+        html = "".join(o.get("data", {}).get("text/html", "") for o in grid.outputs)
+        assert "⇄" in html  # dp groups span the two hosts and are marked
+        p2p = text_of(k.run("%dist_bench p2p --sizes 64K --iters 3 --warmup 1"))
+        assert "intra-node send bandwidth" in p2p and "inter-node send bandwidth" in p2p
         sshd_pids = {p.pid for p in hosts.sshd}
         for ns in hosts.names:  # engines run inside the namespaces
             assert hosts.pids_in(ns) - sshd_pids - _descendants(sshd_pids)
