@@ -140,7 +140,9 @@ class ParallelLayout:
         return layout_html(self)
 
     def describe(self) -> str:
-        parts = " x ".join(f"{d} {getattr(self, d)}" for d in DIMS)
+        """``world 8 = tp 2 x dp 2 x pp 2 (order tp-cp-dp-pp)``: dims of size 1 left out."""
+        used = [d for d in DIMS if getattr(self, d) > 1] or ["dp"]
+        parts = " x ".join(f"{d} {getattr(self, d)}" for d in used)
         z = f", zero1 {self.zero1}" if self.zero1 else ""
         return f"world {self.world_size} = {parts} (order {self.order}{z})"
 

@@ -101,7 +101,8 @@ def test_worked_example_default_order():
     assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layout.groups("tp-pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert layout.groups("cp") == [[r] for r in range(8)]
-    assert layout.describe() == "world 8 = tp 2 x cp 1 x dp 2 x pp 2 (order tp-cp-dp-pp)"
+    assert layout.describe() == "world 8 = tp 2 x dp 2 x pp 2 (order tp-cp-dp-pp)"
+    assert ParallelLayout(1).describe() == "world 1 = dp 1 (order tp-cp-dp-pp)"
 
 
 def test_worked_example_picotron_order():
