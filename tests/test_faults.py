@@ -161,3 +161,27 @@ def _cmd(p: psutil.Process) -> list[str]:
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart"])
+def test_kernel_shutdown_and_restart_end_the_session(how):
+    from jupyter_core.utils import run_sync
+
+    nb = nbformat.v4.new_notebook()
+    client = NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": REPO}}
+    )
+    with client.setup_kernel():
+        cells = KernelCells(client)
+        cells.run("%load_ext infini_notebook")
+        cells.run("%dist_start --nprocs 2", timeout=180)
+        started = psutil.Process(cells.kernel_pid).children(recursive=True)
+        assert len(started) >= 3
+        t0 = time.perf_counter()
+        if how == "shutdown":
+            run_sync(client.km.shutdown_kernel)(now=False)
+        else:
+            run_sync(client.km.restart_kernel)(now=False)
+        gone, alive = psutil.wait_procs(started, timeout=20)
+        FAULT_TIMINGS[f"kernel {how}: all session processes gone"] = time.perf_counter() - t0
+        assert alive == [], [(p.pid, _cmd(p)) for p in alive]
