@@ -3,6 +3,7 @@ are started once per module (or once per run) and reused."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import nbformat
@@ -61,16 +62,23 @@ def text_of(cell, name: str | None = None) -> str:
     return "".join(parts)
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    """A real IPython kernel with the extension loaded; one per test module."""
+@contextlib.contextmanager
+def fresh_kernel(timeout: int = 180):
+    """A new real IPython kernel with the extension loaded, shut down on exit."""
     nb = nbformat.v4.new_notebook()
     client = NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": REPO}}
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": REPO}}
     )
     with client.setup_kernel():
         cells = KernelCells(client)
         cells.run("%load_ext infini_notebook")
+        yield cells
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A real kernel shared by one test module (starting kernels is slow on 2 cores)."""
+    with fresh_kernel(timeout=120) as cells:
         yield cells
         cells.run("%dist_stop", allow_error=True)
 

@@ -8,11 +8,9 @@ import signal
 import threading
 import time
 
-import nbformat
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, REPO, KernelCells, text_of
-from nbclient import NotebookClient
+from conftest import FAULT_TIMINGS, fresh_kernel, text_of
 
 
 def error_text(cell) -> str:
@@ -133,13 +131,7 @@ def test_everything_listens_on_loopback_and_messages_are_signed(kernel):
 
 
 def test_sigkill_of_the_kernel_ends_every_process():
-    nb = nbformat.v4.new_notebook()
-    client = NotebookClient(
-        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": REPO}}
-    )
-    with client.setup_kernel():
-        cells = KernelCells(client)
-        cells.run("%load_ext infini_notebook")
+    with fresh_kernel() as cells:
         cells.run("%dist_start --nprocs 2", timeout=180)
         kernel_proc = psutil.Process(cells.kernel_pid)
         watched = kernel_proc.children(recursive=True)  # controller, engines, watchdog
@@ -167,21 +159,15 @@ pytestmark = pytest.mark.timeout(600)
 def test_kernel_shutdown_and_restart_end_the_session(how):
     from jupyter_core.utils import run_sync
 
-    nb = nbformat.v4.new_notebook()
-    client = NotebookClient(
-        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": REPO}}
-    )
-    with client.setup_kernel():
-        cells = KernelCells(client)
-        cells.run("%load_ext infini_notebook")
+    with fresh_kernel() as cells:
         cells.run("%dist_start --nprocs 2", timeout=180)
         started = psutil.Process(cells.kernel_pid).children(recursive=True)
         assert len(started) >= 3
         t0 = time.perf_counter()
         if how == "shutdown":
-            run_sync(client.km.shutdown_kernel)(now=False)
+            run_sync(cells.client.km.shutdown_kernel)(now=False)
         else:
-            run_sync(client.km.restart_kernel)(now=False)
+            run_sync(cells.client.km.restart_kernel)(now=False)
         gone, alive = psutil.wait_procs(started, timeout=20)
         FAULT_TIMINGS[f"kernel {how}: all session processes gone"] = time.perf_counter() - t0
         assert alive == [], [(p.pid, _cmd(p)) for p in alive]

@@ -13,11 +13,9 @@ import subprocess
 import sys
 import time
 
-import nbformat
 import psutil
 import pytest
-from conftest import REPO, KernelCells, text_of
-from nbclient import NotebookClient
+from conftest import fresh_kernel, text_of
 
 from infini_notebook.launchers import engine_options
 from infini_notebook.plan import make_plan
@@ -124,19 +122,9 @@ def hosts(tmp_path_factory):
         two.down()
 
 
-def fresh_kernel():
-    nb = nbformat.v4.new_notebook()
-    return NotebookClient(
-        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": REPO}}
-    )
-
-
 def test_two_host_ssh_session(hosts):
     a, b = hosts.addrs
-    client = fresh_kernel()
-    with client.setup_kernel():
-        k = KernelCells(client)
-        k.run("%load_ext infini_notebook")
+    with fresh_kernel(timeout=240) as k:
         start = k.run(
             f"%dist_start --launcher ssh --hosts {a}:2,{b}:2 --tp 2 --timeout 60 "
             f"--bind-address {SUBNET}.1 --env GLOO_SOCKET_IFNAME={IFACE} "
@@ -209,10 +197,7 @@ def _children_of(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs OpenMPI (openmpi-bin)")
 def test_mpi_launcher_on_one_host():
-    client = fresh_kernel()
-    with client.setup_kernel():
-        k = KernelCells(client)
-        k.run("%load_ext infini_notebook")
+    with fresh_kernel(timeout=240) as k:
         k.run("%dist_start --launcher mpi --nprocs 2 --timeout 60", timeout=240)
         out = text_of(
             k.run(

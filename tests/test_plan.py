@@ -138,7 +138,7 @@ def test_main_thread_stack_keeps_the_cell_frames_only():
 
     dump = (
         'Thread 0x1 (most recent call first):\n  File "threading.py", line 1 in wait\n\n'
-        'Current thread 0x2 (most recent call first):\n'
+        "Current thread 0x2 (most recent call first):\n"
         '  File "torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
         '  File "/tmp/ipykernel_1/2.py", line 2 in <module>\n'
         '  File "IPython/core/interactiveshell.py", line 3577 in run_code\n'
