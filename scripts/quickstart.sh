@@ -3,5 +3,5 @@
 # when there is no GPU) and print where the executed copy is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --notebooks
 .venv/bin/python scripts/run_notebooks.py notebooks/01_quickstart.ipynb --out out/notebooks

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Create or refresh .venv at the repo root. Usage: scripts/setup.sh [--test]
-#   --test  also install the test extra and the browser the widget tests drive.
+# Create or refresh .venv at the repo root. Usage: scripts/setup.sh [--test | --notebooks]
+#   --test       also the test extra, the browser the widget tests drive, sshd and OpenMPI
+#   --notebooks  also what running the tutorials headless needs (nbclient)
 # Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extra=""
-[[ "${1:-}" == "--test" ]] && extra="[test]"
+case "${1:-}" in
+    --test) extra="[test]" ;;
+    --notebooks) extra="[notebooks]" ;;
+    "") ;;
+    *) echo "usage: scripts/setup.sh [--test | --notebooks]" >&2; exit 2 ;;
+esac
 
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
 
-stamp=".venv/.infini-installed${extra:+-test}"
+stamp=".venv/.infini-installed${extra//[^a-z]/}"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "setup: installing into .venv (first run takes a few minutes)..."
@@ -25,7 +31,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "$want" > "$stamp"
 fi
 
-if [[ -n "$extra" ]]; then
+if [[ "$extra" == "[test]" ]]; then
     scripts/install_browser.sh
     scripts/install_multinode.sh || echo "setup: no sshd/OpenMPI; the multi-host tests will skip"
 fi
