@@ -12,6 +12,12 @@ import shlex
 
 from .plan import LOOPBACK, SessionPlan
 
+# An engine counts as registered once the controller hears its first heartbeat. At the
+# default 3 s period that wait was most of a session's start-up (engines up in 6.6 s instead
+# of 2.6 s for 4 CPU ranks). Misses allowed are raised so an engine is still declared dead
+# after 20 s of silence, close to the default 30 s.
+HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40")
+
 LAUNCHER_CLASSES = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
 
 
@@ -22,11 +28,12 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
         "controller_ip": plan.bind_address,
         "engine_launcher_class": LAUNCHER_CLASSES[plan.placement.launcher],
         "delay": 0,  # engines wait for the controller's connection info anyway
+        "controller_args": list(HEARTBEAT),
     }
     if plan.bind_address not in LOOPBACK:
         # Traffic leaves this machine: encrypt and authenticate ipyparallel's sockets.
         opts["controller_location"] = plan.bind_address
-        opts["controller_args"] = ["--IPController.enable_curve=True"]
+        opts["controller_args"].append("--IPController.enable_curve=True")
     return opts
 
 
@@ -41,7 +48,9 @@ def engine_options(plan: SessionPlan) -> dict:
     place = plan.placement
     env = engine_env(plan)
     if place.launcher == "local":
-        return {"environment": env}
+        # No pause between engines: which engine gets which id does not matter (id == rank
+        # by definition), and on a busy machine the pauses add up.
+        return {"environment": env, "delay": 0}
     if place.launcher == "ssh":
         ssh_args = list(place.ssh_args)
         return {
