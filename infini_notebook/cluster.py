@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -47,6 +47,7 @@ class CellResult:
     stderr: dict[int, str] = field(default_factory=dict)
     results: dict[int, Any] = field(default_factory=dict)  # last expression's data, if any
     errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
+    report: str = ""  # the labeled tracebacks, identical ones grouped
     elapsed: float = 0.0
 
 
@@ -493,9 +494,11 @@ class Session:
         collapse: bool = False,
         max_lines: int | None = None,
         echo: bool = True,
+        printer: Printer | None = None,
     ) -> CellResult:
-        """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives.
-        Raises DistCellError (labeled tracebacks) when any rank raised."""
+        """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives
+        (on this cell's streams, or through ``printer``). Raises DistCellError (labeled
+        tracebacks) when any rank raised."""
         self._require_running()
         targets = parse_ranks(ranks, self.world_size)
         dead = self._dead_ranks(targets)
@@ -504,26 +507,55 @@ class Session:
         labeler = StreamLabeler(collapse=collapse)
         if max_lines:
             labeler.max_lines = max_lines
-        printer = _Printer(echo)
+        printer = printer or _Printer(echo)
         shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         t0 = time.perf_counter()
         ar = self._view(targets).execute(code, silent=False, block=False)
-        self._set_busy(targets)
+        self._set_busy(targets, True)
         try:
             self._follow(ar, targets, labeler, printer, shown)
         except KeyboardInterrupt:
             stuck = self._interrupt(ar, targets)
             raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
         finally:
-            self._set_busy([])
+            self._set_busy(targets, False)
         result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
         self.last = result
         if result.errors:
-            self._errored = set(result.errors)
+            self._errored |= set(result.errors)
             summary = error_summary(result.errors, targets) + _advice(result.errors, targets)
-            raise DistCellError(summary, self._last_tracebacks, sorted(result.errors))
+            raise DistCellError(summary, result.report, sorted(result.errors))
         self._errored -= set(targets)
         return result
+
+    def run_background(
+        self, code: str, ranks: str | list[int] | None = None, *, printer: Printer, **kw
+    ) -> threading.Thread:
+        """``run`` on a thread, so the notebook stays free (for %dist_stacks, %dist_status)
+        while the ranks work. Output and errors go to ``printer``; the result to ``last``."""
+        self._require_running()
+        parse_ranks(ranks, self.world_size)  # refuse a bad spec now, not on the thread
+
+        def work() -> None:
+            try:
+                self.run(code, ranks, printer=printer, **kw)
+            except DistCellError as e:
+                printer.err(f"{e.report}DistCellError: {e.summary}\n")
+            except DistUsageError as e:
+                printer.err(f"DistUsageError: {e}\n")
+
+        thread = threading.Thread(target=work, name="infini-background-cell", daemon=True)
+        thread.start()
+        return thread
+
+    def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
+        """SIGINT the busy ranks (of ``ranks``): stops a background cell. Returns them."""
+        with self._lock:
+            busy = set(self._busy)
+        chosen = parse_ranks(ranks, self.world_size) if ranks is not None else sorted(busy)
+        targets = [r for r in chosen if r in busy]
+        self.signal(signal.SIGINT, targets)
+        return targets
 
     def _follow(self, ar, targets, labeler, printer, shown) -> None:
         """Stream output while the cell runs; notice ranks that die."""
@@ -569,7 +601,7 @@ class Session:
                 data = md["execute_result"].get("data", {})
                 result.results[r] = data
                 printer.display(rank_label([r]), {"data": data, "metadata": {}})
-        self._last_tracebacks = error_report(tracebacks)
+        result.report = error_report(tracebacks)
         return result
 
     def _interrupt(self, ar, targets) -> list[int]:
@@ -648,9 +680,12 @@ class Session:
         if remote and self._client is not None:  # through each engine's ipyparallel nanny
             self._client.send_signal(signum, targets=remote, block=False)
 
-    def _set_busy(self, ranks) -> None:
+    def _set_busy(self, ranks, busy: bool) -> None:
         with self._lock:
-            self._busy = set(ranks)
+            if busy:
+                self._busy |= set(ranks)
+            else:
+                self._busy -= set(ranks)
 
     # ----- data in and out ----------------------------------------------------------------
     def apply(
@@ -663,11 +698,11 @@ class Session:
         self._require_running()
         targets = parse_ranks(ranks, self.world_size)
         pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
-        self._set_busy(targets)
+        self._set_busy(targets, True)
         try:
             return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
         finally:
-            self._set_busy([])
+            self._set_busy(targets, False)
 
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a namespace variable, tensors moved to CPU."""
@@ -718,8 +753,16 @@ class Session:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
 
 
+class Printer(Protocol):
+    """Where a cell's labeled output goes."""
+
+    def out(self, text: str) -> None: ...
+    def err(self, text: str) -> None: ...
+    def display(self, label: str, output: dict) -> None: ...
+
+
 class _Printer:
-    """Where labeled output goes: the cell's streams and IPython's display publisher."""
+    """The running cell's streams and IPython's display publisher."""
 
     def __init__(self, echo: bool):
         self.echo = echo

@@ -118,6 +118,12 @@ class DistMagics(Magics):
     @argument("--where", default=None, help="ranks at these layout coordinates: pp=0,tp=1")
     @argument("--collapse", action="store_true", help="show identical output once for many ranks")
     @argument("--max-lines", type=int, default=None, help="cap on lines shown per rank")
+    @argument(
+        "--background",
+        action="store_true",
+        help="return at once; output fills in below while you run other cells "
+        "(%%dist_stacks, %%dist_status); stop it with %%dist_interrupt",
+    )
     @cell_magic
     def dist(self, line: str, cell: str):
         """Run the cell on every rank (or a subset) at once; output is labeled [rank N].
@@ -134,7 +140,27 @@ class DistMagics(Magics):
                 ranks = session.layout.ranks_where(**parse_where(args.where))
             except ValueError as e:
                 raise DistUsageError(f"Bad --where {args.where!r}: {e}") from None
+        if args.background:
+            from IPython.display import display
+
+            from . import viz
+
+            printer = viz.OutputPrinter()
+            display(printer.widget)
+            session.run_background(
+                cell, ranks, printer=printer, collapse=args.collapse, max_lines=args.max_lines
+            )
+            return
         session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")
+    @line_magic
+    def dist_interrupt(self, line: str):
+        """Send SIGINT to busy ranks: stops a %%dist --background cell."""
+        args = parse_argstring(self.dist_interrupt, line)
+        ranks = _session().interrupt(args.ranks)
+        print(f"Interrupted ranks {ranks}." if ranks else "No rank is busy.")
 
     @line_magic
     def dist_stop(self, line: str):

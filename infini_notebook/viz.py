@@ -660,6 +660,31 @@ def _in_kernel() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
+class OutputPrinter:
+    """Where a background ``%%dist`` cell writes: an Output widget shown in its cell, filled
+    from the session's thread while the notebook runs other cells."""
+
+    def __init__(self) -> None:
+        self.widget = widgets.Output()
+        self.widget.add_class("infini-background")
+
+    def out(self, text: str) -> None:
+        if text:
+            self.widget.append_stdout(text)
+
+    def err(self, text: str) -> None:
+        if text:
+            self.widget.append_stderr(text)
+
+    def display(self, label: str, output: dict) -> None:
+        data = output.get("data", {})
+        if set(data) == {"text/plain"}:
+            self.out("".join(f"{label} {line}\n" for line in data["text/plain"].splitlines()))
+            return
+        self.out(f"{label}\n")
+        self.widget.append_display_data({"data": data, "metadata": output.get("metadata", {})})
+
+
 class Progress:
     """A progress bar drawn as a display updated in place (display_id): live while work
     runs, and a saved notebook keeps its last state (a saved widget reads '0%').

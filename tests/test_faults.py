@@ -171,3 +171,34 @@ def test_kernel_shutdown_and_restart_end_the_session(how):
         gone, alive = psutil.wait_procs(started, timeout=20)
         FAULT_TIMINGS[f"kernel {how}: all session processes gone"] = time.perf_counter() - t0
         assert alive == [], [(p.pid, _cmd(p)) for p in alive]
+
+
+def test_background_cell_leaves_the_notebook_free_for_stacks_and_status(kernel):
+    kernel.run("%dist_start --nprocs 2", timeout=180)
+    t0 = time.perf_counter()
+    kernel.run(
+        "%%dist --background\nimport time\nprint('working', flush=True)\n"
+        "def crunch():\n    time.sleep(4)\ncrunch()\nprint('done', rank)"
+    )
+    assert time.perf_counter() - t0 < 3  # the cell returned while the ranks work
+    time.sleep(1)
+    states = text_of(kernel.run("print([r.state for r in dist_session.status()])"))
+    assert "['busy', 'busy']" in states
+    stacks = text_of(kernel.run("%dist_stacks"))
+    assert stacks.count("in crunch") == 2  # where each rank is, while the cell runs
+    kernel.run(
+        "import time\nwhile any(r.state == 'busy' for r in dist_session.status()):\n"
+        "    time.sleep(0.2)"
+    )
+    out = text_of(kernel.run("print(dist_session.last.stdout)"))
+    assert "done 0" in out and "done 1" in out
+    # and a background cell can be stopped
+    kernel.run("%%dist --background\nimport time\ntime.sleep(60)")
+    time.sleep(1)
+    assert "Interrupted ranks [0, 1]" in text_of(kernel.run("%dist_interrupt"))
+    kernel.run(
+        "import time\nwhile any(r.state == 'busy' for r in dist_session.status()):\n"
+        "    time.sleep(0.2)",
+        timeout=20,
+    )
+    assert "[rank 1] ok" in text_of(kernel.run("%%dist\nprint('ok')"))
