@@ -560,8 +560,13 @@ class Session:
     def _follow(self, ar, targets, labeler, printer, shown) -> None:
         """Stream output while the cell runs; notice ranks that die."""
         t0 = last_check = time.monotonic()
+        running = set(targets)
         while not ar.ready():
             ar.wait(0.05)
+            finished = {r for r in running if _done(ar, targets, r)}
+            if finished:  # the status shows each rank idle as soon as it is
+                running -= finished
+                self._set_busy(finished, False)
             # --collapse holds output back a little, so that lines the ranks print at about
             # the same time arrive together and can be merged.
             if not labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:

@@ -20,6 +20,7 @@ from nbclient.exceptions import CellExecutionError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def execute(path: str, timeout: int) -> nbformat.NotebookNode:
@@ -38,6 +39,7 @@ def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Widget outputs -> their static fallback (text/html), or nothing when they have none;
     no saved widget state. GitHub and nbconvert cannot draw live widgets (they render
     blank); re-running the notebook in Jupyter brings them back."""
+    states = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -45,6 +47,10 @@ def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         for out in cell.outputs:
             data = out.get("data", {})
             if WIDGET_VIEW in data:
+                model = states.get(data[WIDGET_VIEW].get("model_id"), {})
+                if model.get("model_name") == "OutputModel":  # e.g. %%dist --background
+                    kept += [nbformat.from_dict(o) for o in model["state"].get("outputs", [])]
+                    continue
                 if "text/html" not in data:
                     continue
                 del data[WIDGET_VIEW]

@@ -103,21 +103,46 @@ CELLS = [
     `%dist_stacks` prints each rank's Python stack *now*. It is taken by a signal (SIGUSR1,
     answered by `faulthandler` in C), so it works even while the rank is busy in a cell or
     blocked inside a collective, when nothing else can reach it. Most recent call first.
-    On idle ranks it shows the engine waiting for its next message, which is not
-    interesting by itself:
+    On an idle rank it just says so (`--all-threads` shows every thread's frames anyway):
     """),
     code("%dist_stacks --ranks 0"),
     md("""
-    On a rank stuck in a collective the same command shows where it waits: the top frame
-    is `all_reduce` in `torch/distributed/distributed_c10d.py`, and the last one is the
-    cell itself (`File "/tmp/ipykernel_.../....py", line 2 in <module>`), so you see which
-    collective, called from which line of your cell. The kernel runs one cell at a time,
-    so you cannot type `%dist_stacks` while the stuck cell still runs; two things take the
-    stacks for you. Pressing stop prints the stacks of the ranks that do not stop (section
-    4 shows it), and the timeout error ends in the same `all_reduce` line (section 2). A
-    rank still stuck after you interrupted its cell stays stuck until the timeout; that is
-    when you run `%dist_stacks` yourself. With a production timeout of minutes, you have
-    time to look.
+    To look at ranks *while* a cell runs, run that cell with `--background`: it returns at
+    once, its output fills in below it as the ranks print, and the notebook is free for
+    other cells. Here rank 0 is again alone in an `all_reduce` (it will time out after 5 s),
+    and `%dist_status` and `%dist_stacks` look at it meanwhile:
+    """),
+    code("""
+    %%dist --background
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # no peer will come
+    print("rank", rank, "finished its part")
+    """),
+    code("""
+    import time
+
+    time.sleep(1)  # let the ranks get going
+    %dist_status
+    """),
+    md("""
+    Rank 0 is busy, the others are idle again. Its stack shows where it waits: the top
+    frame is `all_reduce` in `torch/distributed/distributed_c10d.py`, the last one the line
+    of the cell that called it (`File "/tmp/ipykernel_.../....py", line 2 in <module>`):
+    """),
+    code("%dist_stacks --ranks 0"),
+    md("""
+    After the timeout the background cell shows rank 0's error (in its own output area,
+    above), and the process groups need the same soft restart as in section 2:
+    """),
+    code("""
+    while any(r.state == "busy" for r in dist_session.status()):
+        time.sleep(0.2)
+    print(dist_session.last.errors)
+    %dist_restart
+    """),
+    md("""
+    Without `--background`, pressing stop takes the stacks for you: it prints the stacks of
+    the ranks that do not stop (section 4).
 
     ## 4. Interrupting a cell
 
