@@ -706,6 +706,12 @@ class Session:
         self._set_busy(targets, True)
         try:
             return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
+        except KeyboardInterrupt:
+            self.signal(signal.SIGINT, targets)
+            raise DistInterrupted(
+                f"{getattr(fn, '__name__', 'call')} interrupted; {rank_label(targets)[1:-1]} "
+                "were sent SIGINT."
+            ) from None
         finally:
             self._set_busy(targets, False)
 
