@@ -9,6 +9,9 @@ and a plain-text render (terminals) that both name every rank with its coordinat
   a rank outlines every group it belongs to. Works without a session, for planning.
 - ``BenchView`` / ``plot_busbw`` / ``p2p_heatmap``: benchmark curves and the p2p matrix.
 
+Plus two sinks the kernel side feeds through callbacks, so it never renders itself:
+``Progress`` (start-up and sweeps) and ``OutputPrinter`` (a ``%%dist --background`` cell).
+
 The tile and grid logic (``grid_shape``, ``group_tile``, ``status_tile_html`` ...) is pure
 so tests check it without a browser; the widget classes only map it onto ipywidgets.
 """
