@@ -26,7 +26,13 @@ import psutil
 
 from . import engine
 from .errors import DistCellError, DistInterrupted, DistUsageError
-from .output import StreamLabeler, error_report, error_summary, prefix_lines
+from .output import (
+    StreamLabeler,
+    error_report,
+    error_summary,
+    main_thread_stack,
+    prefix_lines,
+)
 from .plan import LOOPBACK, SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 
@@ -124,6 +130,8 @@ class Session:
         self._lock = threading.Lock()
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
+        self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
+        self._watchdog = None
 
     # ----- start / stop -------------------------------------------------------------------
     def start(self, progress: Progress | None = None) -> Session:
@@ -256,7 +264,7 @@ class Session:
         engine's exit code) fire; ``*_sync`` wrappers would leave them on a stopped loop."""
         import asyncio
 
-        if getattr(self, "_loop", None) is None:
+        if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(
                 target=self._loop.run_forever, name="infini-session-loop", daemon=True
@@ -318,9 +326,7 @@ class Session:
         return place.hosts[place.rank_places(self.world_size)[rank][0]][0]
 
     def _record_ranks(self, infos: dict[int, dict]) -> None:
-        from .groups import ParallelLayout
-
-        layout = ParallelLayout(**self.plan.layout)
+        layout = self.layout
         self.ranks = []
         for r in range(self.world_size):
             info = infos[r]
@@ -362,7 +368,7 @@ class Session:
         global _current
         self.running = False
         self._stop_processes()
-        if getattr(self, "_loop", None) is not None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
         self._store = None  # the TCPStore server closes with its last reference
@@ -378,10 +384,9 @@ class Session:
 
     def _stop_processes(self) -> None:
         """Engines and controller (the store stays: it is the kernel's)."""
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None and watchdog.poll() is None:
-            watchdog.terminate()
-            watchdog.wait(5)
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            self._watchdog.terminate()
+            self._watchdog.wait(5)
         self._watchdog = None
         if self._client is not None:
             try:
@@ -646,10 +651,12 @@ class Session:
 
     def _dead_ranks(self, targets) -> dict[int, str]:
         dead = {}
-        registered = set(self._client.ids) if self._client is not None else set()
+        registered = None  # asked of the controller only when a rank is remote
         for r in targets:
             proc = self._pids.get(r)
             if proc is None:  # a remote engine: the controller knows when it is gone
+                if registered is None:
+                    registered = set(self._client.ids) if self._client is not None else set()
                 if self._eids and self._eids[r] not in registered:
                     dead[r] = "its engine unregistered"
                 continue
@@ -862,25 +869,6 @@ def _advice(errors: dict[int, str], targets: list[int]) -> str:
 
 def _dead_text(dead: dict[int, str]) -> str:
     return "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
-
-
-def main_thread_stack(dump: str) -> str:
-    """From a faulthandler dump of every thread, the block of the thread that runs the cell
-    (the one faulthandler calls 'Current thread', else the longest)."""
-    blocks = [b for b in dump.strip().split("\n\n") if b.strip()]
-    if not blocks:
-        return dump
-    current = [b for b in blocks if b.lstrip().startswith("Current thread")]
-    block = (current or sorted(blocks, key=len))[-1]
-    # Most recent call first: the frames below IPython's run_code are engine plumbing.
-    lines = block.splitlines()
-    for i, line in enumerate(lines):
-        if "IPython/core/interactiveshell.py" in line:
-            return "\n".join(lines[:i])
-    frames = [line for line in lines if line.lstrip().startswith("File ")]
-    if frames and "selectors.py" in frames[0]:  # most recent call: waiting for a message
-        return "idle: no cell running (waiting in the engine's event loop)"
-    return block
 
 
 def _file_size(path: str) -> int:

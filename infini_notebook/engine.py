@@ -52,9 +52,10 @@ def bootstrap(cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    device = _pick_device(torch, cfg)
+    if cfg.get("gpu") is not None:
+        torch.cuda.set_device(0)  # the only GPU this engine sees
     init_distributed(cfg)
-    return describe_rank(device)
+    return describe_rank(user_namespace()["device"])
 
 
 def _set_environment(cfg: dict) -> None:
@@ -88,11 +89,8 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _pick_device(torch, cfg: dict):
-    if cfg.get("gpu") is not None:
-        torch.cuda.set_device(0)  # the only GPU this engine sees
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
+def _device(torch, cfg: dict):
+    return torch.device("cuda", 0) if cfg.get("gpu") is not None else torch.device("cpu")
 
 
 def init_distributed(cfg: dict) -> None:
@@ -103,6 +101,7 @@ def init_distributed(cfg: dict) -> None:
 
     from .groups import ParallelLayout, init_parallel_groups
 
+    device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])
     store = dist.PrefixStore(f"attempt_{cfg['attempt']}", _base_store(cfg, timeout))
     dist.init_process_group(
@@ -111,7 +110,7 @@ def init_distributed(cfg: dict) -> None:
         rank=cfg["rank"],
         world_size=cfg["world_size"],
         timeout=timeout,
-        device_id=torch.device("cuda", 0) if cfg.get("gpu") is not None else None,
+        device_id=device if device.type == "cuda" else None,
     )
     layout = ParallelLayout(**cfg["layout"])
     groups = init_parallel_groups(layout)
@@ -122,7 +121,7 @@ def init_distributed(cfg: dict) -> None:
         rank=cfg["rank"],
         world_size=cfg["world_size"],
         local_rank=cfg["local_rank"],
-        device=torch.device("cuda", 0) if cfg.get("gpu") is not None else torch.device("cpu"),
+        device=device,
         groups=groups,
         mesh=groups.mesh,
         layout=layout,

@@ -13,6 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cluster
 from .errors import DistUsageError
+from .output import main_thread_stack
 
 
 def _session() -> cluster.Session:
@@ -202,7 +203,7 @@ class DistMagics(Magics):
         is stuck in a collective)."""
         args = parse_argstring(self.dist_stacks, line)
         for rank, dump in _session().stacks(args.ranks).items():
-            text = dump if args.all_threads else cluster.main_thread_stack(dump)
+            text = dump if args.all_threads else main_thread_stack(dump)
             print(f"[rank {rank}]\n{text.rstrip()}\n")
 
     @line_magic

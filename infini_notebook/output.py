@@ -111,3 +111,22 @@ def error_summary(errors: dict[int, str], all_ranks: list[int]) -> str:
     ok = [r for r in all_ranks if r not in errors]
     tail = f" ({rank_label(ok)[1:-1]} finished)" if ok else ""
     return f"{what}{tail}"
+
+
+def main_thread_stack(dump: str) -> str:
+    """From a faulthandler dump of every thread, the block of the thread that runs the cell
+    (the one faulthandler calls 'Current thread', else the longest)."""
+    blocks = [b for b in dump.strip().split("\n\n") if b.strip()]
+    if not blocks:
+        return dump
+    current = [b for b in blocks if b.lstrip().startswith("Current thread")]
+    block = (current or sorted(blocks, key=len))[-1]
+    # Most recent call first: the frames below IPython's run_code are engine plumbing.
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        if "IPython/core/interactiveshell.py" in line:
+            return "\n".join(lines[:i])
+    frames = [line for line in lines if line.lstrip().startswith("File ")]
+    if frames and "selectors.py" in frames[0]:  # most recent call: waiting for a message
+        return "idle: no cell running (waiting in the engine's event loop)"
+    return block

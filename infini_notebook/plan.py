@@ -132,6 +132,10 @@ def make_plan(
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
     problem with a message that names the fix."""
+    if backend not in BACKENDS:
+        raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
+    if timeout is None or timeout <= 0:
+        raise DistUsageError(f"--timeout must be a positive number of seconds, got {timeout}.")
     if launcher not in LAUNCHERS:
         raise DistUsageError(
             f"Unknown --launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}."
@@ -156,14 +160,10 @@ def make_plan(
             slurm={"partition": partition, "account": account, "time": time_limit},
         )
     visible = list(visible_gpus or [])
-    if backend not in BACKENDS:
-        raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
     if gpus is not None and nprocs is not None:
         raise DistUsageError(
             "Give --gpus N (one rank per GPU) or --nprocs N (CPU ranks), not both."
         )
-    if timeout is None or timeout <= 0:
-        raise DistUsageError(f"--timeout must be a positive number of seconds, got {timeout}.")
     on_gpu, world = _choose_devices(gpus, nprocs, backend, visible)
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
@@ -238,10 +238,6 @@ def _remote_plan(
     import shlex
     import sys
 
-    if backend not in BACKENDS:
-        raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
-    if timeout is None or timeout <= 0:
-        raise DistUsageError(f"--timeout must be a positive number of seconds, got {timeout}.")
     host_list = parse_hosts(hosts) if hosts else ()
     if launcher == "local":
         raise DistUsageError("--hosts needs --launcher ssh, mpi or slurm.")

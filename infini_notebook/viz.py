@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
+from .output import prefix_lines
+
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
@@ -682,7 +684,7 @@ class OutputPrinter:
     def display(self, label: str, output: dict) -> None:
         data = output.get("data", {})
         if set(data) == {"text/plain"}:
-            self.out("".join(f"{label} {line}\n" for line in data["text/plain"].splitlines()))
+            self.out(prefix_lines(label, data["text/plain"]))
             return
         self.out(f"{label}\n")
         self.widget.append_display_data({"data": data, "metadata": output.get("metadata", {})})

@@ -134,7 +134,7 @@ def test_tracebacks_differing_only_in_cell_number_are_grouped():
 
 
 def test_main_thread_stack_keeps_the_cell_frames_only():
-    from infini_notebook.cluster import main_thread_stack
+    from infini_notebook.output import main_thread_stack
 
     dump = (
         'Thread 0x1 (most recent call first):\n  File "threading.py", line 1 in wait\n\n'
