@@ -130,6 +130,7 @@ class Session:
         self._lock = threading.Lock()
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
+        self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
         self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
         self._watchdog = None
 
@@ -297,11 +298,7 @@ class Session:
             "layout": self.plan.layout,
             "kernel_pid": kernel.pid,
             "kernel_start": kernel.create_time(),
-            "stack_file": self._stack_file(rank),
         }
-
-    def _stack_file(self, rank: int) -> str:
-        return os.path.join(self._workdir, f"stacks-rank{rank}.txt")
 
     def _bootstrap(self, progress: Progress | None = None) -> None:
         pending = {
@@ -462,21 +459,36 @@ class Session:
         ]
 
     def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
-        """Every thread's Python stack on each rank, taken by signal (faulthandler), so a
-        rank busy in a cell or stuck in a collective still answers."""
+        """Every thread's Python stack on each rank (the cell's thread as 'Current thread').
+        Asked and answered through the TCPStore, which a thread on each engine watches, so a
+        rank busy in a cell or stuck in a collective answers, on this host or another."""
+        from datetime import timedelta
+
         targets = parse_ranks(ranks, self.world_size)
-        offsets = {r: _file_size(self._stack_file(r)) for r in targets}
-        self.signal(signal.SIGUSR1, targets)
-        deadline = time.monotonic() + wait
-        out: dict[int, str] = {}
-        while time.monotonic() < deadline and len(out) < len(targets):
-            time.sleep(0.05)
-            for r in targets:
-                if r not in out and _file_size(self._stack_file(r)) > offsets[r]:
-                    time.sleep(0.05)  # let faulthandler finish writing
-                    out[r] = _read_from(self._stack_file(r), offsets[r])
+        store = self._store
+        for key in self._late_stacks:  # answers that came after we stopped waiting
+            store.delete_key(key)
+        self._late_stacks = []
+        answers = {}
         for r in targets:
-            out.setdefault(r, "(no answer: the rank is dead or not started)")
+            n = store.add(engine.stack_key(r, "count"), 1)
+            store.set(engine.stack_key(r, "ask", n), "")
+            answers[r] = engine.stack_key(r, "answer", n)
+        try:
+            store.wait(list(answers.values()), timedelta(seconds=wait))
+        except Exception:  # a rank did not answer in time; the others did
+            pass
+        out: dict[int, str] = {}
+        for r, key in answers.items():
+            if store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
+                store.delete_key(key)
+            else:
+                self._late_stacks.append(key)
+                out[r] = (
+                    f"(no answer in {wait:.0f} s: the rank is dead, or native code holds "
+                    "its Python interpreter lock)"
+                )
         return out
 
     def _kill_leftovers(self) -> None:
@@ -650,19 +662,35 @@ class Session:
         )
 
     def _dead_ranks(self, targets) -> dict[int, str]:
+        alive = self._liveness()
         dead = {}
-        registered = None  # asked of the controller only when a rank is remote
         for r in targets:
-            proc = self._pids.get(r)
-            if proc is None:  # a remote engine: the controller knows when it is gone
-                if registered is None:
-                    registered = set(self._client.ids) if self._client is not None else set()
-                if self._eids and self._eids[r] not in registered:
-                    dead[r] = "its engine unregistered"
+            if alive(r):
                 continue
-            if not _alive(proc):
-                dead[r] = _exit_description(self._exit_code(proc))
+            proc = self._pids.get(r)
+            dead[r] = (
+                _exit_description(self._exit_code(proc))
+                if proc is not None
+                else "its engine unregistered"
+            )
         return dead
+
+    def _liveness(self) -> Callable[[int], bool]:
+        """``alive(rank)``: a local engine by its process; a remote one (no pid of ours) by
+        the controller, which drops an engine when its nanny reports it gone or its
+        heartbeats stop. The controller is asked once, and only when a rank is remote."""
+        registered: set[int] | None = None
+
+        def alive(r: int) -> bool:
+            nonlocal registered
+            proc = self._pids.get(r)
+            if proc is not None:
+                return _alive(proc)
+            if registered is None:
+                registered = set(self._client.ids) if self._client is not None else set()
+            return bool(self._eids) and self._eids[r] in registered
+
+        return alive
 
     def _exit_code(self, proc: psutil.Process) -> int | None:
         """The engine's exit status as its ipyparallel launcher recorded it (the launcher
@@ -736,12 +764,13 @@ class Session:
         with self._lock:
             busy = set(self._busy)
         stuck = self._still_stuck()
+        alive = self._liveness()
         for rs in self.ranks:
             proc = self._pids.get(rs.rank)
-            if proc is None or not self.running:
-                rs.state = "dead" if self.running else "stopped"
-            elif not _alive(proc):
-                if rs.state != "dead":  # look the exit code up once
+            if not self.running:
+                rs.state = "stopped"
+            elif not alive(rs.rank):
+                if rs.state != "dead" and proc is not None:  # look the exit code up once
                     rs.exit_code = self._exit_code(proc)
                 rs.state = "dead"
             elif rs.rank in stuck:
@@ -869,19 +898,6 @@ def _advice(errors: dict[int, str], targets: list[int]) -> str:
 
 def _dead_text(dead: dict[int, str]) -> str:
     return "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int) -> str:
-    with open(path, errors="replace") as f:
-        f.seek(offset)
-        return f.read()
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import signal
+import re
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 # Per-engine state that outlives one process group: the base store is reused across soft
-# restarts (each attempt gets its own PrefixStore), the stack file stays open for faulthandler.
+# restarts (each attempt gets its own PrefixStore).
 _STATE: dict[str, Any] = {}
 
 TORCHRUN_VARS = (
@@ -48,7 +49,7 @@ def bootstrap(cfg: dict) -> dict:
         _watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
     else:  # the kernel is on another host: its store going away is the signal
         _watch_store(cfg["master_addr"], cfg["master_port"])
-    _install_stack_dumper(cfg["stack_file"])
+    _install_stack_dumper(cfg)
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -210,12 +211,73 @@ def push_values(values: dict) -> None:
     user_namespace().update(values)
 
 
-def _install_stack_dumper(path: str) -> None:
-    """SIGUSR1 writes every thread's Python stack to ``path``. faulthandler does it from the
-    C signal handler, so it works while the rank is stuck in a collective."""
-    f = open(path, "w")  # kept open for the process's life
-    _STATE["stack_file"] = f
-    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+# Session.stacks asks rank r for its stacks by setting stack_key(r, "ask", n), n counting up
+# from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
+def stack_key(rank: int, what: str, n: int | None = None) -> str:
+    return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
+
+
+def _install_stack_dumper(cfg: dict) -> None:
+    """Answer Session.stacks through the kernel's TCPStore, from a thread of our own: an
+    apply would queue behind a running cell, while this thread runs beside it, also while the
+    cell is stuck in a collective (torch releases the GIL while it waits). The store client
+    and the scratch file are this engine's, so it works on any host. The counter is read
+    here, before bootstrap returns, so that no request can come before the thread listens."""
+    import torch.distributed as dist
+
+    rank = cfg["rank"]
+    store = dist.TCPStore(
+        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    answered = store.add(stack_key(rank, "count"), 0)
+    scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
+
+    def serve(answered: int) -> None:
+        while True:
+            ask = stack_key(rank, "ask", answered + 1)
+            try:
+                store.wait([ask], timedelta(hours=1))
+            except Exception:  # no request yet, or the kernel is gone (the watchers end us)
+                time.sleep(1.0)
+                continue
+            answered += 1
+            try:
+                store.set(stack_key(rank, "answer", answered), _dump_stacks(scratch))
+                store.delete_key(ask)
+            except Exception:
+                pass
+
+    threading.Thread(target=serve, args=(answered,), name="infini-stacks", daemon=True).start()
+
+
+def _dump_stacks(scratch) -> str:
+    """Every thread's stack, faulthandler's format, the cell's thread as 'Current thread'."""
+    scratch.seek(0)
+    scratch.truncate()
+    faulthandler.dump_traceback(file=scratch, all_threads=True)
+    scratch.seek(0)
+    dump = scratch.read().decode(errors="replace")
+    return as_seen_by_thread(dump, threading.main_thread().ident, threading.get_ident())
+
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+
+
+def as_seen_by_thread(dump: str, main: int, helper: int) -> str:
+    """A faulthandler dump taken on thread ``helper``, relabeled as if taken on ``main``: the
+    helper's own block goes, the main thread's becomes 'Current thread'."""
+    blocks = []
+    for block in dump.strip().split("\n\n"):
+        m = _THREAD_HEADER.match(block.lstrip())
+        ident = int(m.group(2), 16) if m else None
+        if ident == helper:
+            continue
+        if ident == main:
+            block = block.lstrip().replace(m.group(1), "Current thread", 1)
+        elif m and m.group(1) == "Current thread":
+            block = block.lstrip().replace("Current thread", "Thread", 1)
+        blocks.append(block)
+    return "\n\n".join(blocks) + "\n"
 
 
 def identity() -> dict:
