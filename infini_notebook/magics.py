@@ -199,8 +199,8 @@ class DistMagics(Magics):
     @argument("--all-threads", action="store_true", help="every thread, not only the cell's")
     @line_magic
     def dist_stacks(self, line: str):
-        """Show where each rank is now: its Python stack, taken by signal (works while a rank
-        is stuck in a collective)."""
+        """Show where each rank is now: its Python stack, taken by a thread on the rank (works
+        while a rank is stuck in a collective, and on other hosts)."""
         args = parse_argstring(self.dist_stacks, line)
         for rank, dump in _session().stacks(args.ranks).items():
             text = dump if args.all_threads else main_thread_stack(dump)

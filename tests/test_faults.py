@@ -53,6 +53,32 @@ def test_stacks_show_where_each_rank_is(kernel):
     assert "Current thread" in out
 
 
+class _Quiet:
+    """A printer for background cells whose output the test does not read."""
+
+    def out(self, text: str) -> None: ...
+    def err(self, text: str) -> None: ...
+    def display(self, label: str, output: dict) -> None: ...
+
+
+def test_stacks_answer_for_every_rank_while_a_cell_runs(session4):
+    from infini_notebook.output import main_thread_stack
+
+    # rank 0 waits in a native collective until the others arrive, 4 s later
+    code = (
+        "import time\ndef crunch():\n    time.sleep(4)\nif rank != 0:\n    crunch()\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    cell = session4.run_background(code, printer=_Quiet())
+    time.sleep(1.5)
+    stacks = {r: main_thread_stack(dump) for r, dump in session4.stacks().items()}
+    cell.join(60)
+    assert "in all_reduce" in stacks[0], stacks[0]
+    for r in (1, 2, 3):
+        assert "in crunch" in stacks[r], stacks[r]
+    assert [rs.state for rs in session4.status()] == ["idle"] * 4
+
+
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     def press_stop():
         time.sleep(2)

@@ -7,6 +7,7 @@ reason otherwise. Everything it creates it removes, and it only signals the sshd
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -67,9 +68,17 @@ class TwoHosts:
                     "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
                     "Subsystem sftp /usr/lib/openssh/sftp-server\n"
                 )
+            # Each host gets its own /tmp (a tmpfs in a private mount namespace), as real
+            # hosts have: nothing may rely on files the kernel wrote there. Only our key and
+            # config directory (``cd`` keeps it reachable) is bound back in.
+            private_tmp = (
+                'cd "$0" && mount -t tmpfs tmpfs /tmp && mkdir -p "$0" '
+                '&& mount --no-canonicalize --bind . "$0" && exec /usr/sbin/sshd -D -e -f "$1"'
+            )
             self.sshd.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f", config],
+                    ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
+                    + ["sh", "-c", private_tmp, self.tmp, config],
                     stderr=subprocess.DEVNULL,
                 )
             )
@@ -122,12 +131,19 @@ def hosts(tmp_path_factory):
         two.down()
 
 
+def states(k) -> list[str]:
+    return ast.literal_eval(text_of(k.run("print([r.state for r in dist_session.status()])")))
+
+
 def test_two_host_ssh_session(hosts):
     a, b = hosts.addrs
+    # ssh does not carry the environment: remote engines import the same tree as the kernel
+    here = os.environ.get("PYTHONPATH")
+    pythonpath = f"--env PYTHONPATH={here} " if here else ""
     with fresh_kernel(timeout=240) as k:
         start = k.run(
             f"%dist_start --launcher ssh --hosts {a}:2,{b}:2 --tp 2 --timeout 60 "
-            f"--bind-address {SUBNET}.1 --env GLOO_SOCKET_IFNAME={IFACE} "
+            f"--bind-address {SUBNET}.1 --env GLOO_SOCKET_IFNAME={IFACE} {pythonpath}"
             f"--ssh-args '{hosts.ssh_args}'",
             timeout=240,
         )
@@ -146,6 +162,17 @@ def test_two_host_ssh_session(hosts):
         assert "[rank 3] 1 1 2 6.0 5.0" in out
         status = text_of(k.run("%dist_status"))
         assert status.count(a) == 2 and status.count(b) == 2  # tiles name their host
+        assert states(k) == ["idle"] * 4  # known from the controller, not from local pids
+        k.run("%%dist --background\nimport time\ndef crunch():\n    time.sleep(4)\ncrunch()")
+        time.sleep(1.5)
+        assert states(k) == ["busy"] * 4
+        stacks = text_of(k.run("%dist_stacks"))  # over the store: no shared /tmp
+        assert stacks.count("in crunch") == 4, stacks
+        k.run(
+            "import time\nwhile 'busy' in [r.state for r in dist_session.status()]: time.sleep(0.2)"
+        )
+        k.run("%%dist --ranks 2\nraise ValueError('boom')", allow_error=True)
+        assert states(k) == ["idle", "idle", "error", "idle"]
         grid = k.run("%dist_groups --color-by dp")
         html = "".join(o.get("data", {}).get("text/html", "") for o in grid.outputs)
         assert "⇄" in html  # dp groups span the two hosts and are marked
@@ -154,6 +181,8 @@ def test_two_host_ssh_session(hosts):
         sshd_pids = {p.pid for p in hosts.sshd}
         for ns in hosts.names:  # engines run inside the namespaces
             assert hosts.pids_in(ns) - sshd_pids - _descendants(sshd_pids)
+        k.run("%%dist --ranks 3\nimport os\nos._exit(7)", allow_error=True)
+        assert states(k) == ["idle", "idle", "error", "dead"]  # the engine unregistered
         k.run("%dist_stop", timeout=120)
         deadline = time.time() + 20
         while time.time() < deadline:

@@ -149,3 +149,17 @@ def test_main_thread_stack_keeps_the_cell_frames_only():
     assert "run_code" not in stack and "threading.py" not in stack
     idle = 'Current thread 0x2:\n  File "selectors.py", line 468 in select\n  File "x.py", line 1'
     assert main_thread_stack(idle).startswith("idle")
+
+
+def test_stack_dump_taken_on_a_helper_thread_reads_as_the_cell_thread():
+    from infini_notebook.engine import as_seen_by_thread
+
+    dump = (
+        'Thread 0x00000000000000aa (most recent call first):\n  File "cell.py", line 2 in f\n\n'
+        'Thread 0x00000000000000bb (most recent call first):\n  File "t.py", line 1 in w\n\n'
+        "Current thread 0x00000000000000cc (most recent call first):\n"
+        '  File "engine.py", line 9 in _dump_stacks\n'
+    )
+    seen = as_seen_by_thread(dump, main=0xAA, helper=0xCC)
+    assert seen.startswith("Current thread 0x00000000000000aa") and "in f" in seen
+    assert "Thread 0x00000000000000bb" in seen and "_dump_stacks" not in seen

@@ -100,9 +100,10 @@ CELLS = [
     md("""
     ## 3. Where is each rank? `%dist_stacks`
 
-    `%dist_stacks` prints each rank's Python stack *now*. It is taken by a signal (SIGUSR1,
-    answered by `faulthandler` in C), so it works even while the rank is busy in a cell or
-    blocked inside a collective, when nothing else can reach it. Most recent call first.
+    `%dist_stacks` prints each rank's Python stack *now*. A small thread on each rank takes
+    it (`faulthandler`) and sends it back through the session's TCPStore, so it works even
+    while the rank is busy in a cell or blocked inside a collective, when a cell could not
+    reach it, and for ranks on other hosts. Most recent call first.
     On an idle rank it just says so (`--all-threads` shows every thread's frames anyway):
     """),
     code("%dist_stacks --ranks 0"),
