@@ -327,7 +327,7 @@ class Session:
         self.ranks = []
         for r in range(self.world_size):
             info = infos[r]
-            if not self.plan.placement.multi_host:  # remote pids mean nothing here
+            if not self.plan.placement.multi_host:  # remote pids mean nothing here (_liveness)
                 self._pids[r] = psutil.Process(info["pid"])
             self.ranks.append(
                 RankState(

@@ -20,6 +20,13 @@ HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misse
 
 LAUNCHER_CLASSES = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
 
+# The profile dir lives in this kernel's temporary directory, which other hosts do not have:
+# engines there create their own (logs only: the connection comes in IPP_CONNECTION_INFO).
+# ipyparallel's ssh launcher creates it remotely itself; mpiexec and srun start ipengine
+# directly. mpiexec hands other hosts only the variables named with -x.
+REMOTE_ENGINE_ARGS = ["--IPEngine.auto_create=True"]
+IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
+
 
 def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
     opts = {
@@ -66,11 +73,15 @@ def engine_options(plan: SessionPlan) -> dict:
         args = ["--host", ",".join(f"{h}:{n}" for h, n in place.hosts)]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.append("--allow-run-as-root")  # containers often run as root
-        for key in env:
+        for key in [*env, *IPP_ENV]:
             args += ["-x", key]  # forward to ranks on every host
-        return {"environment": env, "mpi_args": args}
+        return {"environment": env, "mpi_args": args, "engine_args": list(REMOTE_ENGINE_ARGS)}
     if place.launcher == "slurm":
-        return {"environment": env, "batch_template": slurm_template(plan)}
+        return {
+            "environment": env,
+            "batch_template": slurm_template(plan),
+            "engine_args": list(REMOTE_ENGINE_ARGS),
+        }
     raise ValueError(place.launcher)
 
 

@@ -277,6 +277,19 @@ def test_slurm_batch_script_carries_the_flags(tmp_path):
     assert "NCCL_SOCKET_IFNAME" in script and "ipyparallel.engine" in script
 
 
+def test_mpi_and_slurm_engines_need_no_file_from_the_kernel_host():
+    """Other hosts lack the kernel's temporary profile dir: engines get the connection and
+    the profile dir's name by environment (mpiexec forwards only what -x names) and create
+    the directory themselves."""
+    mpi = engine_options(make_plan(launcher="mpi", hosts="n1:2,n2:2", bind_address="10.0.0.5"))
+    forwarded = {b for a, b in zip(mpi["mpi_args"], mpi["mpi_args"][1:]) if a == "-x"}
+    assert {"IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"} <= forwarded
+    slurm = engine_options(make_plan(launcher="slurm", nnodes=2, nprocs=2, bind_address="10.0.0.5"))
+    for opts in (mpi, slurm):
+        assert "--IPEngine.auto_create=True" in opts["engine_args"]
+    assert "--export=ALL" in slurm["batch_template"]  # srun passes the whole environment
+
+
 def test_remote_hosts_need_a_reachable_bind_address():
     from infini_notebook.errors import DistUsageError
 
