@@ -59,7 +59,8 @@ def start_problem(job_id: str, state: tuple[str, str] | None, log_tail: str = ""
 def waiting_note(job_id: str, state: tuple[str, str] | None) -> str:
     """What the progress line says while engines are not up yet."""
     if state and state[0] == "PENDING":
-        return f"engines up (Slurm job {job_id} pending: {state[1]})"
+        reason = "" if state[1] in ("", "None") else f": {state[1]}"
+        return f"engines up (Slurm job {job_id} pending{reason})"
     return f"engines up (Slurm job {job_id})"
 
 

@@ -189,3 +189,18 @@ def test_a_job_slurm_refuses_or_never_starts_fails_at_once(one_node_slurm):
         # Not the 120 s "only 0 of 2 engines came up" but the reason, at once.
         assert "cannot start (PartitionDown)" in pending, pending
         assert slurm("squeue", "-h") == ""  # the pending job was cancelled
+
+
+def test_what_a_waiting_job_reports():
+    from infini_notebook.slurm import start_problem, waiting_note
+
+    assert start_problem("7", ("PENDING", "Priority")) is None  # a busy cluster: keep waiting
+    assert start_problem("7", ("RUNNING", "None")) is None
+    assert "cannot start (ReqNodeNotAvail" in start_problem("7", ("PENDING", "ReqNodeNotAvail"))
+    gone = start_problem("7", None, "ipengine: No module named ipyparallel\n")
+    assert "left the queue" in gone and "No module named ipyparallel" in gone
+    assert "ended (FAILED)" in start_problem("7", ("FAILED", "NonZeroExitCode"))
+    assert (
+        waiting_note("7", ("PENDING", "Resources")) == "engines up (Slurm job 7 pending: Resources)"
+    )
+    assert waiting_note("7", ("PENDING", "None")) == "engines up (Slurm job 7 pending)"
