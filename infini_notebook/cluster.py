@@ -229,9 +229,12 @@ class Session:
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
+        profile = os.path.join(self._workdir, "profile")
         self._in_loop(self._cluster.start_controller())
         self._in_loop(
-            self._cluster.start_engines(self.world_size, **launchers.engine_options(self.plan))
+            self._cluster.start_engines(
+                self.world_size, **launchers.engine_options(self.plan, profile)
+            )
         )
         self._client = self._in_loop(self._cluster.connect_client())
         self._wait_for_engines(progress)
@@ -240,17 +243,33 @@ class Session:
 
     def _wait_for_engines(self, progress: Progress | None, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
+        note, asked = "engines up", 0.0
         while (up := len(self._client.ids)) < self.world_size:
             if progress:
-                progress(up, self.world_size, "engines up")
+                progress(up, self.world_size, note)
             stopped = [es for es in self._cluster.engines.values() if es.state == "after"]
             if stopped:
                 raise RuntimeError(f"engines exited while starting: {stopped[0].stop_data}")
+            if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
+                note, asked = self._check_batch_job() or note, time.monotonic()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {up} of {self.world_size} engines came up in {timeout}s")
+                raise RuntimeError(
+                    f"only {up} of {self.world_size} engines came up in {timeout}s ({note})"
+                )
             time.sleep(0.05)
         if progress:
             progress(self.world_size, self.world_size, "engines up")
+
+    def _check_batch_job(self) -> str | None:
+        """The batch job's state for the progress line (None for other launchers); raises
+        DistUsageError when the job will never bring its engines up (see slurm.py)."""
+        for es in self._cluster.engines.values():
+            if hasattr(es, "start_check"):
+                problem, note = es.start_check()
+                if problem:
+                    raise DistUsageError(problem)
+                return note
+        return None
 
     def _engine(self, rank: int):
         """The ipyparallel view of one rank's engine."""

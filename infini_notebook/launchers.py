@@ -18,7 +18,13 @@ from .plan import LOOPBACK, SessionPlan
 # after 20 s of silence, close to the default 30 s.
 HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40")
 
-LAUNCHER_CLASSES = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
+# Slurm: ipyparallel's launcher with sbatch's errors and the job's state (see slurm.py).
+LAUNCHER_CLASSES = {
+    "local": "local",
+    "ssh": "ssh",
+    "mpi": "mpi",
+    "slurm": "infini_notebook.slurm.SlurmEngines",
+}
 
 # The profile dir lives in this kernel's temporary directory, which other hosts do not have:
 # engines there create their own (logs only: the connection comes in IPP_CONNECTION_INFO).
@@ -50,7 +56,7 @@ def engine_env(plan: SessionPlan) -> dict[str, str]:
     return env
 
 
-def engine_options(plan: SessionPlan) -> dict:
+def engine_options(plan: SessionPlan, profile_dir: str = "") -> dict:
     """Keyword arguments for ``Cluster.start_engines`` (traits of the engine set launcher)."""
     place = plan.placement
     env = engine_env(plan)
@@ -77,11 +83,14 @@ def engine_options(plan: SessionPlan) -> dict:
             args += ["-x", key]  # forward to ranks on every host
         return {"environment": env, "mpi_args": args, "engine_args": list(REMOTE_ENGINE_ARGS)}
     if place.launcher == "slurm":
-        return {
+        opts = {
             "environment": env,
             "batch_template": slurm_template(plan),
             "engine_args": list(REMOTE_ENGINE_ARGS),
         }
+        if profile_dir:  # sbatch reads the script here; else it lands in the notebook's folder
+            opts["batch_file_name"] = os.path.join(profile_dir, "slurm_engines.sbatch")
+        return opts
     raise ValueError(place.launcher)
 
 
@@ -93,6 +102,7 @@ def slurm_template(plan: SessionPlan) -> str:
         "#!/bin/sh",
         "#SBATCH --export=ALL",
         "#SBATCH --job-name=ipengine-{cluster_id}",
+        "#SBATCH --output={output_file}",
         "#SBATCH --ntasks={n}",
         f"#SBATCH --nodes={len(place.hosts)}",
         f"#SBATCH --ntasks-per-node={place.hosts[0][1]}",
