@@ -249,7 +249,7 @@ def _script_code(body: str, number: int, out: Export) -> tuple[str | None, str]:
 def _show_last_value(body: str, tree: ast.Module) -> str:
     """IPython shows a cell's last expression unless it ends with ``;``: print it the same."""
     last = tree.body[-1]
-    if not isinstance(last, ast.Expr):
+    if not isinstance(last, ast.Expr) or _is_print(last.value):
         return body
     lines = body.splitlines()
     first, end = lines[last.lineno - 1].encode(), lines[last.end_lineno - 1].encode()
@@ -260,6 +260,10 @@ def _show_last_value(body: str, tree: ast.Module) -> str:
     head = first[: last.col_offset].decode()
     shown = f"{head}show({expr}){tail}".splitlines()
     return "\n".join(lines[: last.lineno - 1] + shown + lines[last.end_lineno :])
+
+
+def _is_print(node: ast.expr) -> bool:  # returns None: nothing to show, keep it readable
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
 
 
 def _indent(code: str) -> str:
@@ -319,7 +323,7 @@ def _header(settings: Settings, out: Export, filename: str) -> str:
     )
     return f'''"""The %%dist cells {cells} of a notebook, exported by %dist_export.
 
-Run it on {n} processes ({layout.describe()}, {settings.backend}):
+Layout {layout.describe()}, backend {settings.backend}. Run it on {n} processes:
 
     torchrun --nproc_per_node {n} {filename}
 

@@ -235,6 +235,29 @@ CELLS = [
     }
     print("torch TP matches the unsplit model:", checks)
     """),
+    md("""
+    ## The same cells as a torchrun script
+
+    `%dist_export FILE.py` writes this session's `%%dist` cells, in order, as a script for
+    `torchrun`. Each rank of the script gets the names and the parallel groups a rank has
+    here (through `init_parallel_groups`), `--ranks` and `--where` become `if` guards, and
+    every line is labeled `[rank N]`, so it prints what the cells above printed. What has no
+    script equivalent is listed as skipped: failed cells, `%dist_pull`, and code that ran in
+    the notebook itself, such as the two lines that pick a file name here.
+    """),
+    code("""
+    import os, tempfile
+    script = os.path.join(tempfile.mkdtemp(), "tp_mlp.py")
+    %dist_export $script
+    """),
+    md("""
+    The script starts like every rank here, then runs the cells (run it with
+    `torchrun --nproc_per_node 4 tp_mlp.py`, or on GPUs as it is: the backend comes along):
+    """),
+    code("""
+    with open(script) as f:
+        print("".join(f.readlines()[:34]))
+    """),
     code("%dist_stop"),
     md("""
     ## Recap
