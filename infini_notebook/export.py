@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +174,7 @@ def export_script(
              "No %%dist cell ran in this session yet")
             + ", so there is nothing to export: run %%dist cells, then %dist_export FILE.py."
         )  # fmt: skip
-    body = "\n\n".join(b for b in blocks if b)
+    body = "\n\n\n".join(b for b in blocks if b)  # two blank lines: cells define classes
     out.text = _header(settings, out, filename) + body + _FOOTER
     return out
 
@@ -310,7 +311,7 @@ def _header(settings: Settings, out: Export, filename: str) -> str:
     n = layout.world_size
     args = ", ".join(f"{k}={v!r}" for k, v in layout.to_dict().items() if v is not None)
     args = args.replace("'", '"')
-    cells = ", ".join(f"In[{c}]" for c in out.cells)
+    cells = textwrap.fill("Cells " + ", ".join(f"In[{c}]" for c in out.cells), 88)
     left_out = (
         f'\nLeft out ({len(out.skipped)}): see the "# skipped" comments.' if out.skipped else ""
     )
@@ -321,8 +322,9 @@ def _header(settings: Settings, out: Export, filename: str) -> str:
         if out.shows_values
         else ""
     )
-    return f'''"""The %%dist cells {cells} of a notebook, exported by %dist_export.
+    return f'''"""A notebook's %%dist cells as a torchrun script, written by %dist_export.
 
+{cells}.
 Layout {layout.describe()}, backend {settings.backend}. Run it on {n} processes:
 
     torchrun --nproc_per_node {n} {filename}
@@ -350,4 +352,4 @@ device, groups, mesh, layout = ns["device"], ns["groups"], ns["mesh"], ns["layou
 '''
 
 
-_FOOTER = "\n\ndist.destroy_process_group()\n"
+_FOOTER = "\n\n\ndist.destroy_process_group()\n"

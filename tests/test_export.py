@@ -244,29 +244,44 @@ def lines_by_rank(text: str, world: int) -> dict[int, list[str]]:
     return dict(out)
 
 
+# Run after tutorial 06's cells, before its %dist_stop: guards, a last value, a failed cell
+# and a %dist_pull, which the tutorial itself does not have.
+EXTRA_CELLS = [
+    "%%dist --where tp=1\nprint('tp rank 1 of', groups.ranks_in('tp'))\nrank * 10",
+    "%%dist --ranks 0,3\nprint('checksum', round(out.sum().item(), 4))",
+    "%%dist --ranks 1\nraise ValueError('left out: it failed')",
+    "%dist_pull checks",
+]
+
+
 @pytest.mark.timeout(600)
 def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(os.path.join(REPO, "notebooks", "06_tensor_parallel_mlp.ipynb"), 4)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": REPO}})  # fmt: skip
+    *cells, stop = [c for c in nb.cells if c.cell_type == "code"]
+    assert stop.source == "%dist_stop"
     path = str(tmp_path / "nb06.py")
+    cells += [nbformat.v4.new_code_cell(src) for src in EXTRA_CELLS]
+    cells += [nbformat.v4.new_code_cell(f"%dist_export {path}"), stop]
+    nb.cells = cells
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": REPO}})  # fmt: skip
     with client.setup_kernel():
-        for i, cell in enumerate(nb.cells):
+        for i, cell in enumerate(cells):
             client.execute_cell(cell, i)
-        export_cell = nbformat.v4.new_code_cell(f"%dist_export {path}")
-        nb.cells.append(export_cell)
-        client.execute_cell(export_cell, len(nb.cells) - 1)
-    said = text_of(export_cell)
-    dist_cells = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%dist")]
-    assert f"Wrote {path}: {len(dist_cells)} %%dist cells" in said, said
+    errors = [c.source for c in cells if any(o.output_type == "error" for o in c.outputs)]
+    assert errors == [EXTRA_CELLS[2]], errors
+    said = text_of(cells[-2])
+    dist_cells = [c for c in cells if c.source.startswith("%%dist")]
+    assert f"Wrote {path}: {len(dist_cells) - 1} %%dist cells" in said, said
     assert "torchrun --nproc_per_node 4" in said
-    # the tutorial's own export cell picks a file name in the kernel: said, not dropped
-    assert "notebook code (ran in the kernel, not on ranks)" in said
+    skipped = [line for line in said.splitlines() if line.startswith("skipped")]
+    assert len(skipped) == 4, said  # the failed cell, %dist_pull, two cells of kernel code
+    assert "(failed in the notebook" in skipped[2] and "%dist_pull checks" in skipped[3]
 
     notebook = lines_by_rank("".join(text_of(c, "stdout") for c in dist_cells), 4)
-    assert sorted(notebook) == [0, 1, 2, 3] and all(notebook.values())
+    assert notebook[1][-2:] == ["tp rank 1 of [0, 1]", "10"]  # the extra cells did show
     proc = run_torchrun(path, 4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines_by_rank(proc.stdout, 4) == notebook
@@ -286,4 +301,6 @@ def test_export_magic_errors_and_help(kernel, tmp_path):
         assert message in shown and "DistUsageError" in shown, shown
         assert "Traceback" not in shown, shown
     assert existing.read_text() == "keep me\n"
-    assert "Write this session's %%dist cells" in text_of(kernel.run("%dist_export?"))
+    # what %dist_export? shows (IPython pages it, so read the magic's docstring directly)
+    doc = text_of(kernel.run('print(get_ipython().find_line_magic("dist_export").__doc__)'))
+    assert "Write this session's %%dist cells" in doc and "--force" in doc
