@@ -256,7 +256,7 @@ CELLS = [
     """),
     code("""
     with open(script) as f:
-        print("".join(f.readlines()[:34]))
+        print(f.read().split("# %%")[0])  # the part before the first cell
     """),
     code("%dist_stop"),
     md("""
@@ -270,6 +270,7 @@ CELLS = [
       communicator.
     - Checking against an unsplit model built from the same seed on every rank, forward and
       backward, catches a wrong split at once.
+    - `%dist_export FILE.py` turns the cells into a script that `torchrun` runs the same way.
 
     With dp = 2 here, ranks [0, 1] and [2, 3] are two copies of the model; a training step
     would feed each copy its own batch and average gradients over `groups.dp`
