@@ -9,7 +9,8 @@ What is left out is said in the script (``# skipped`` comments) and in ``Export.
 cells that failed in the notebook (a rerun that worked is what the script should repeat; the
 failed code stays in the script as comments), code that ran in the notebook's kernel rather
 than on the ranks, magics with no script equivalent (``%dist_pull``, ``%dist_push`` ...), and
-IPython-only lines inside a ``%%dist`` cell. ``--background`` cells run inline.
+IPython-only lines inside a ``%%dist`` cell. ``--background`` cells run inline, and count as
+succeeded (the magic returns before they end).
 
 Flags are parsed by the magics' own parsers, passed in as functions, so this module needs
 neither IPython nor torch.

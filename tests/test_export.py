@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import nbformat
 import pytest
+import torch
 from conftest import REPO, text_of
 from IPython.core.magic_arguments import parse_argstring
 
@@ -285,6 +286,21 @@ def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path)
     proc = run_torchrun(path, 4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines_by_rank(proc.stdout, 4) == notebook
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exported_script_runs_on_nccl_one_gpu_per_rank(tmp_path):
+    n = torch.cuda.device_count()
+    cell = "%%dist\nx = torch.ones(4, device=device) * (rank + 1)\ndist.all_reduce(x)\n"
+    cell += "print(dist.get_backend(), x.device, x.sum().item())"
+    out = script(H(1, cell), settings=export.Settings(ParallelLayout(n), "nccl", 60.0))
+    path = tmp_path / "gpu.py"
+    path.write_text(out.text)
+    proc = run_torchrun(str(path), n)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    total = 4.0 * n * (n + 1) / 2
+    assert lines_by_rank(proc.stdout, n) == {r: [f"nccl cuda:{r} {total}"] for r in range(n)}
 
 
 def test_export_magic_errors_and_help(kernel, tmp_path):
