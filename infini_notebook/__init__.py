@@ -34,9 +34,11 @@ def current():
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import DistMagics
+    from .magics import DistMagics, record_outcome
 
     ipython.register_magics(DistMagics)
+    if record_outcome not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", record_outcome)  # %dist_export skips failures
 
 
 def __getattr__(name):  # lazy: ParallelLayout without importing torch.distributed

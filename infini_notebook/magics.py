@@ -6,6 +6,7 @@ tests can do without IPython whatever a notebook does.
 
 from __future__ import annotations
 
+import os
 import time
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -14,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import cluster
 from .errors import DistUsageError
 from .output import main_thread_stack
+from .ranks import parse_where
 
 
 def _session() -> cluster.Session:
@@ -23,24 +25,20 @@ def _session() -> cluster.Session:
     return session
 
 
+# In[n] -> whether that cell succeeded (post_run_cell hook): %dist_export leaves failed cells out.
+CELL_OUTCOMES: dict[int, bool] = {}
+
+
+def record_outcome(result) -> None:
+    if result.execution_count is not None:
+        CELL_OUTCOMES[result.execution_count] = bool(result.success)
+
+
 def _unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around a quoted value."""
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
-
-
-def parse_where(text: str) -> dict[str, int]:
-    """``pp=0,tp=1`` -> ``{"pp": 0, "tp": 1}``."""
-    coords = {}
-    for part in filter(None, text.replace(" ", "").split(",")):
-        key, sep, value = part.partition("=")
-        if not sep or not value.lstrip("-").isdigit():
-            raise DistUsageError(f"Bad --where {text!r}: use coordinates like pp=0 or tp=1,dp=0.")
-        coords[key] = int(value)
-    if not coords:
-        raise DistUsageError("--where needs at least one coordinate, like pp=0.")
-    return coords
 
 
 @magics_class
@@ -365,3 +363,55 @@ class DistMagics(Magics):
             display(Image(data=viz.figure_png(fig), format="png"))
         if args.out:
             self.shell.user_ns[args.out] = result
+
+    @magic_arguments()
+    @argument("path", help="the script to write, e.g. train.py")
+    @argument("--force", "-f", action="store_true", help="overwrite PATH if it exists")
+    @line_magic
+    def dist_export(self, line: str):
+        """Write this session's %%dist cells, in order, as a script that runs under torchrun.
+
+        Each rank of the script gets the names and the parallel groups a session's rank has,
+        and labels its lines [rank N]; --ranks and --where become `if` guards. Cells that
+        failed, code that ran in the notebook's kernel and magics with no script equivalent
+        (%dist_pull, %dist_push ...) are left out, each listed here and marked in the script.
+        Example: %dist_export train.py, then: torchrun --nproc_per_node 4 train.py
+        """
+        from . import export
+
+        args = parse_argstring(self.dist_export, line)
+        path = os.path.expanduser(_unquote(args.path))
+        _check_export_path(path, args.force)
+        raw = self.shell.history_manager.input_hist_raw
+        history = [export.HistoryCell(n, raw[n], CELL_OUTCOMES.get(n)) for n in range(1, len(raw))]
+        cells, start_line = export.last_session(history)
+        session = cluster.current()
+        if session is not None:
+            settings = export.Settings(session.layout, session.plan.backend, session.plan.timeout)
+        elif start_line is not None:
+            settings = export.settings_from_start(parse_argstring(self.dist_start, start_line))
+        else:
+            raise DistUsageError(
+                "No session is running and no %dist_start ran in this kernel, so the layout "
+                "is unknown: start a session with %dist_start, then run %dist_export."
+            )
+        result = export.export_script(
+            cells, settings, lambda flags: parse_argstring(self.dist, flags),
+            filename=os.path.basename(path),
+        )  # fmt: skip
+        try:
+            with open(path, "w") as f:
+                f.write(result.text)
+        except OSError as e:
+            raise DistUsageError(f"Cannot write {path!r}: {e.strerror}.") from None
+        print(result.summary(path))
+
+
+def _check_export_path(path: str, force: bool) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
+    if not os.path.isdir(folder):
+        raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
+    if os.path.exists(path) and not force:
+        raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")

@@ -1,4 +1,5 @@
-"""Rank specs (``0``, ``0,2``, ``1-3``, ``all``) to rank lists and back. Pure."""
+"""Rank specs (``0``, ``0,2``, ``1-3``, ``all``) to rank lists and back, and ``--where``
+coordinates (``pp=0,tp=1``). Pure."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ def parse_ranks(spec: str | int | list[int] | None, world_size: int) -> list[int
     out = sorted(ranks)
     _check_range(out, world_size, spec)
     return out
+
+
+def parse_where(text: str) -> dict[str, int]:
+    """``pp=0,tp=1`` -> ``{"pp": 0, "tp": 1}``."""
+    coords = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise DistUsageError(f"Bad --where {text!r}: use coordinates like pp=0 or tp=1,dp=0.")
+        coords[key] = int(value)
+    if not coords:
+        raise DistUsageError("--where needs at least one coordinate, like pp=0.")
+    return coords
 
 
 def _parse_part(part: str, spec: str) -> range:

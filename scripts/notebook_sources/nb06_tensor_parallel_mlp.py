@@ -235,6 +235,29 @@ CELLS = [
     }
     print("torch TP matches the unsplit model:", checks)
     """),
+    md("""
+    ## The same cells as a torchrun script
+
+    `%dist_export FILE.py` writes this session's `%%dist` cells, in order, as a script for
+    `torchrun`. Each rank of the script gets the names and the parallel groups a rank has
+    here (through `init_parallel_groups`), `--ranks` and `--where` become `if` guards, and
+    every line is labeled `[rank N]`, so it prints what the cells above printed. What has no
+    script equivalent is listed as skipped: failed cells, `%dist_pull`, and code that ran in
+    the notebook itself, such as the two lines that pick a file name here.
+    """),
+    code("""
+    import os, tempfile
+    script = os.path.join(tempfile.mkdtemp(), "tp_mlp.py")
+    %dist_export $script
+    """),
+    md("""
+    The script starts like every rank here, then runs the cells (run it with
+    `torchrun --nproc_per_node 4 tp_mlp.py`, or on GPUs as it is: the backend comes along):
+    """),
+    code("""
+    with open(script) as f:
+        print(f.read().split("# %%")[0])  # the part before the first cell
+    """),
     code("%dist_stop"),
     md("""
     ## Recap
@@ -247,6 +270,7 @@ CELLS = [
       communicator.
     - Checking against an unsplit model built from the same seed on every rank, forward and
       backward, catches a wrong split at once.
+    - `%dist_export FILE.py` turns the cells into a script that `torchrun` runs the same way.
 
     With dp = 2 here, ranks [0, 1] and [2, 3] are two copies of the model; a training step
     would feed each copy its own batch and average gradients over `groups.dp`

@@ -1,0 +1,356 @@
+"""A notebook's ``%%dist`` cells as a torchrun script (``%dist_export``). Pure: text in, text out.
+
+The input is the kernel's input history (raw cells, numbered as ``In[n]``) with each cell's
+outcome. The script starts the way a session's rank starts (``engine.torchrun_namespace``:
+same names, same groups through ``init_parallel_groups``), then runs the ``%%dist`` cells of
+the last session in order, ``--ranks``/``--where`` turned into ``if`` guards.
+
+What is left out is said in the script (``# skipped`` comments) and in ``Export.skipped``:
+cells that failed in the notebook (a rerun that worked is what the script should repeat; the
+failed code stays in the script as comments), code that ran in the notebook's kernel rather
+than on the ranks, magics with no script equivalent (``%dist_pull``, ``%dist_push`` ...), and
+IPython-only lines inside a ``%%dist`` cell. ``--background`` cells run inline, and count as
+succeeded (the magic returns before they end).
+
+Flags are parsed by the magics' own parsers, passed in as functions, so this module needs
+neither IPython nor torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DistUsageError
+from .groups import DEFAULT_ORDER, ParallelLayout
+from .ranks import parse_ranks, parse_where
+
+
+@dataclass(frozen=True)
+class HistoryCell:
+    """One executed cell: its ``In[n]`` number, raw source and outcome (None: unknown)."""
+
+    number: int
+    source: str
+    ok: bool | None = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the script needs from the session: layout, backend, collective timeout (s)."""
+
+    layout: ParallelLayout
+    backend: str
+    timeout: float = 300.0
+
+
+@dataclass
+class Export:
+    text: str  # the script
+    world_size: int  # torchrun's --nproc_per_node (x --nnodes)
+    cells: list[int] = field(default_factory=list)  # In[n] of the %%dist cells it runs
+    skipped: list[str] = field(default_factory=list)  # "In[n]: what (why)", one per line
+    shows_values: bool = False  # a cell ends in an expression: the script defines show()
+
+    def summary(self, path: str) -> str:
+        """What the magic prints: what was written, how to run it, what was left out."""
+        n = len(self.cells)
+        lines = [
+            f"Wrote {path}: {n} %%dist cell{'s' * (n != 1)} "
+            f"({', '.join(f'In[{c}]' for c in self.cells)}).",
+            f"Run it with: torchrun --nproc_per_node {self.world_size} {path}",
+        ]
+        lines += [f"skipped {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+# Magics that only set the session up or show it: the script's header replaces them.
+SETUP_MAGICS = {"load_ext", "reload_ext", "dist_start", "dist_stop", "dist_export"}
+# Magics whose effect the script cannot repeat, and why.
+NOT_EXPORTED = {
+    "dist_pull": "brings rank values into the notebook; no script equivalent",
+    "dist_push": "sends a notebook variable to the ranks; define it in the script instead",
+    "dist_restart": "rebuilt the process groups; the script starts them once",
+    "dist_interrupt": "stopped a running cell; the script runs every cell to the end",
+}
+SHOWS_ONLY = "shows the session; no script equivalent"
+_MAGIC = re.compile(r"^\s*%(\w+)")
+_IPYTHON_ONLY = re.compile(r"^\s*(%|!(?!=))")
+
+
+# --------------------------------------------------------------------------- the history
+
+
+def split_cell(source: str) -> tuple[str | None, str, str]:
+    """``%%name line\\nbody`` -> (name, line, body); (None, "", source) for other cells."""
+    text = source.lstrip("\n")
+    first, _, body = text.partition("\n")
+    if not first.startswith("%%"):
+        return None, "", source
+    name, _, line = first[2:].partition(" ")
+    return name.strip(), line.strip(), body
+
+
+def line_magics(source: str) -> list[tuple[str, str]]:
+    """(name, whole line) for each ``%name ...`` line of a cell that is not a cell magic."""
+    found = []
+    for line in source.splitlines():
+        m = _MAGIC.match(line)
+        if m and not line.lstrip().startswith("%%"):
+            found.append((m.group(1), line.strip()))
+    return found
+
+
+def last_session(history: Sequence[HistoryCell]) -> tuple[list[HistoryCell], str | None]:
+    """The cells after the last ``%dist_start`` that did not fail, and its flag line (None
+    when no cell started a session: then every cell counts)."""
+    for i in range(len(history) - 1, -1, -1):
+        cell = history[i]
+        if cell.ok is False or split_cell(cell.source)[0] is not None:
+            continue
+        for name, line in line_magics(cell.source):
+            if name == "dist_start":
+                return list(history[i + 1 :]), line.split(None, 1)[1] if " " in line else ""
+    return list(history), None
+
+
+def settings_from_start(args: Any) -> Settings:
+    """Settings from a parsed ``%dist_start`` line (when no session runs any more)."""
+    from .plan import parse_hosts
+
+    if args.gpus or args.nprocs:
+        world = args.gpus or args.nprocs
+    elif args.hosts:
+        world = sum(slots for _, slots in parse_hosts(args.hosts))
+    elif args.nnodes and args.gpus_per_node:
+        world = args.nnodes * args.gpus_per_node
+    else:
+        raise DistUsageError(
+            "Cannot tell the number of ranks from the %dist_start line; start the session "
+            "again and run %dist_export while it runs."
+        )
+    on_gpu = bool(args.gpus or args.gpus_per_node)
+    backend = args.backend if args.backend != "auto" else ("nccl" if on_gpu else "gloo")
+    try:
+        layout = ParallelLayout(
+            world, tp=args.tp or 1, cp=args.cp or 1, pp=args.pp or 1, dp=args.dp,
+            order=args.order or DEFAULT_ORDER, zero1=args.zero1,
+        )  # fmt: skip
+    except ValueError as e:
+        raise DistUsageError(f"The last %dist_start line has a bad layout: {e}") from None
+    return Settings(layout, backend, float(args.timeout))
+
+
+# --------------------------------------------------------------------------- the script
+
+
+def export_script(
+    history: Sequence[HistoryCell],
+    settings: Settings,
+    parse_dist_line: Callable[[str], Any],
+    filename: str = "script.py",
+) -> Export:
+    """The script for the ``%%dist`` cells in ``history`` (already cut to one session, see
+    ``last_session``). ``parse_dist_line`` parses a ``%%dist`` flag line (the magic's parser).
+
+    Raises DistUsageError when there is no ``%%dist`` cell to export."""
+    out = Export(text="", world_size=settings.layout.world_size)
+    blocks = []
+    for cell in history:
+        name, line, body = split_cell(cell.source)
+        if name == "dist":
+            blocks.append(_dist_block(cell, line, body, settings, parse_dist_line, out))
+        elif name is None:
+            blocks.append(_kernel_block(cell, out))
+        else:
+            blocks.append(_skip(out, cell.number, f"%%{name} cell", "ran in the notebook's kernel"))
+    if not out.cells:
+        failed = sum(1 for c in history if split_cell(c.source)[0] == "dist")
+        raise DistUsageError(
+            (f"None of the {failed} %%dist cells of this session succeeded" if failed else
+             "No %%dist cell ran in this session yet")
+            + ", so there is nothing to export: run %%dist cells, then %dist_export FILE.py."
+        )  # fmt: skip
+    body = "\n\n\n".join(b for b in blocks if b)  # two blank lines: cells define classes
+    out.text = _header(settings, out, filename) + body + _FOOTER
+    return out
+
+
+def _dist_block(cell, line, body, settings, parse_dist_line, out: Export) -> str:
+    title = f"# %% In[{cell.number}]: %%dist {line}".rstrip()
+    if cell.ok is False:
+        why = "failed in the notebook; left out, its code below as comments"
+        out.skipped.append(f"In[{cell.number}]: %%dist {line}".rstrip() + f" ({why})")
+        return f"{title}\n# skipped: this cell {why}\n" + _commented(body)
+    args = parse_dist_line(line)
+    guard = _guard(args, settings.layout)
+    code, problems = _script_code(body, cell.number, out)
+    if code is None:
+        why = f"not plain Python ({problems}); left out, its code below as comments"
+        out.skipped.append(f"In[{cell.number}]: %%dist {line}".rstrip() + f" ({why})")
+        return f"{title}\n# skipped: this cell is {why}\n" + _commented(body)
+    out.cells.append(cell.number)
+    if getattr(args, "background", False):
+        title += "\n# (ran with --background in the notebook; runs inline here)"
+    if guard:
+        code = f"{guard}\n{_indent(code)}"
+    return f"{title}\n{code}"
+
+
+def _guard(args: Any, layout: ParallelLayout) -> str | None:
+    """``--ranks 0,2`` -> ``if rank in (0, 2):``; ``--where pp=0`` -> a coordinates test."""
+    if args.where:
+        if args.ranks:
+            raise DistUsageError("Give --ranks or --where, not both.")
+        coords = parse_where(args.where)
+        try:
+            layout.ranks_where(**coords)
+        except ValueError as e:
+            raise DistUsageError(f"Bad --where {args.where!r}: {e}") from None
+        test = " and ".join(f'groups.coords["{d}"] == {v}' for d, v in coords.items())
+        return f"if {test}:"
+    ranks = parse_ranks(args.ranks, layout.world_size)
+    if len(ranks) == layout.world_size:
+        return None
+    if len(ranks) == 1:
+        return f"if rank == {ranks[0]}:"
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"if {ranks[0]} <= rank <= {ranks[-1]}:"
+    return f"if rank in ({', '.join(map(str, ranks))}):"
+
+
+def _script_code(body: str, number: int, out: Export) -> tuple[str | None, str]:
+    """The cell body as plain Python: IPython-only lines (magics, ``!shell``) commented out
+    and noted, the last expression shown as the notebook shows it. (None, why) if invalid."""
+    body = body.rstrip()
+    try:
+        tree = ast.parse(body)
+    except SyntaxError:
+        lines = body.splitlines()
+        for i, text in enumerate(lines):
+            if _IPYTHON_ONLY.match(text):
+                indent = text[: len(text) - len(text.lstrip())]
+                lines[i] = f"{indent}# skipped (IPython only): {text.strip()}"
+                out.skipped.append(f"In[{number}]: {text.strip()} (IPython only, in a %%dist cell)")
+        body = "\n".join(lines)
+        try:
+            tree = ast.parse(body)
+        except SyntaxError as e:
+            return None, f"{e.msg}, line {e.lineno}"
+    if not tree.body:
+        return (body + "\n" if body else "") + "pass", ""
+    shown = _show_last_value(body, tree)
+    out.shows_values |= shown != body
+    return shown, ""
+
+
+def _show_last_value(body: str, tree: ast.Module) -> str:
+    """IPython shows a cell's last expression unless it ends with ``;``: print it the same."""
+    last = tree.body[-1]
+    if not isinstance(last, ast.Expr) or _is_print(last.value):
+        return body
+    lines = body.splitlines()
+    first, end = lines[last.lineno - 1].encode(), lines[last.end_lineno - 1].encode()
+    tail = end[last.end_col_offset :].decode()
+    if tail.split("#")[0].strip().startswith(";"):
+        return body
+    expr = ast.get_source_segment(body, last.value)
+    head = first[: last.col_offset].decode()
+    shown = f"{head}show({expr}){tail}".splitlines()
+    return "\n".join(lines[: last.lineno - 1] + shown + lines[last.end_lineno :])
+
+
+def _is_print(node: ast.expr) -> bool:  # returns None: nothing to show, keep it readable
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+
+
+def _indent(code: str) -> str:
+    """Indent under an ``if``, leaving lines inside multi-line strings as they are."""
+    keep = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.Constant, ast.JoinedStr)) and node.end_lineno > node.lineno:
+            keep.update(range(node.lineno + 1, node.end_lineno + 1))
+    return "\n".join(
+        line if (i in keep or not line.strip()) else "    " + line
+        for i, line in enumerate(code.splitlines(), start=1)
+    )
+
+
+def _commented(body: str) -> str:
+    return "\n".join(f"# {line}".rstrip() for line in body.rstrip().splitlines())
+
+
+def _kernel_block(cell: HistoryCell, out: Export) -> str:
+    """A cell that ran in the notebook's kernel: its dist magics and its code, as notes."""
+    notes = []
+    for name, line in line_magics(cell.source):
+        if name in SETUP_MAGICS:
+            continue
+        why = NOT_EXPORTED.get(name, SHOWS_ONLY if name.startswith("dist_") else None)
+        if why:
+            notes.append(_skip(out, cell.number, line, why))
+    code = [
+        ln for ln in cell.source.splitlines()
+        if ln.strip() and not ln.lstrip().startswith(("#", "%"))
+    ]  # fmt: skip
+    if code:
+        notes.append(_skip(out, cell.number, "notebook code", "ran in the kernel, not on ranks"))
+    return "\n".join(notes)
+
+
+def _skip(out: Export, number: int, what: str, why: str) -> str:
+    out.skipped.append(f"In[{number}]: {what} ({why})")
+    return f"# skipped In[{number}]: {what} ({why})"
+
+
+def _header(settings: Settings, out: Export, filename: str) -> str:
+    layout = settings.layout
+    n = layout.world_size
+    args = ", ".join(f"{k}={v!r}" for k, v in layout.to_dict().items() if v is not None)
+    args = args.replace("'", '"')
+    cells = textwrap.fill("Cells " + ", ".join(f"In[{c}]" for c in out.cells), 88)
+    left_out = (
+        f'\nLeft out ({len(out.skipped)}): see the "# skipped" comments.' if out.skipped else ""
+    )
+    show = (
+        "\n\ndef show(value):  # a cell's last value, printed as the notebook showed it\n"
+        "    if value is not None:\n"
+        "        print(repr(value))\n"
+        if out.shows_values
+        else ""
+    )
+    return f'''"""A notebook's %%dist cells as a torchrun script, written by %dist_export.
+
+{cells}.
+Layout {layout.describe()}, backend {settings.backend}. Run it on {n} processes:
+
+    torchrun --nproc_per_node {n} {filename}
+
+Each rank gets the names a %%dist cell sees (torch, dist, rank, world_size, local_rank,
+device, groups, mesh, layout) with the same parallel groups, and labels its lines [rank N].
+--ranks and --where became `if` guards.{left_out}
+"""
+
+import torch
+import torch.distributed as dist
+
+from infini_notebook.engine import torchrun_namespace
+from infini_notebook.groups import ParallelLayout
+
+ns = torchrun_namespace(
+    ParallelLayout({args}),
+    backend="{settings.backend}",
+    timeout={settings.timeout!r},
+)
+rank, world_size, local_rank = ns["rank"], ns["world_size"], ns["local_rank"]
+device, groups, mesh, layout = ns["device"], ns["groups"], ns["mesh"], ns["layout"]
+{show}
+
+'''
+
+
+_FOOTER = "\n\n\ndist.destroy_process_group()\n"

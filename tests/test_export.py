@@ -1,0 +1,322 @@
+"""%dist_export: a notebook's %%dist cells as a torchrun script.
+
+The pure part (infini_notebook/export.py) is checked in milliseconds with the magics' real
+flag parsers; the end-to-end test executes tutorial 06 in a real kernel, exports it, runs the
+script with torchrun on 4 CPU ranks and compares what every rank printed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import nbformat
+import pytest
+import torch
+from conftest import REPO, text_of
+from IPython.core.magic_arguments import parse_argstring
+
+from infini_notebook import export
+from infini_notebook.engine import LabeledStream, torchrun_namespace
+from infini_notebook.errors import DistUsageError
+from infini_notebook.groups import ParallelLayout
+from infini_notebook.magics import DistMagics
+from infini_notebook.ranks import parse_ranks
+
+H = export.HistoryCell
+SETTINGS = export.Settings(ParallelLayout(4, tp=2), "gloo", 30.0)
+
+
+def parse_dist(line: str):
+    return parse_argstring(DistMagics.dist, line)
+
+
+def script(*cells: H, settings=SETTINGS) -> export.Export:
+    return export.export_script(list(cells), settings, parse_dist, "out.py")
+
+
+def cell_block(text: str, number: int) -> str:
+    """The script's block for In[number], up to the next block."""
+    start = text.index(f"# %% In[{number}]")
+    ends = [text.find(m, start) for m in ("\n\n# ", "\n\ndist.destroy_process_group()")]
+    return text[start : min(e for e in ends if e > 0)]
+
+
+# --------------------------------------------------------------------------- pure: ms
+
+
+def test_ranks_and_where_become_guards():
+    out = script(
+        H(1, "%%dist\na = 1"),
+        H(2, "%%dist --ranks 0,2\nb = 2\nfor i in range(2):\n    b += i"),
+        H(3, "%%dist -r 3\nc = 3"),
+        H(4, "%%dist --where tp=1,dp=0 --collapse\nd = 4"),
+        H(5, "%%dist --ranks all\ne = 5"),
+    )
+    text = out.text
+    assert cell_block(text, 1).splitlines()[1] == "a = 1"
+    assert "if rank in (0, 2):\n    b = 2\n    for i in range(2):\n        b += i" in text
+    assert "if rank == 3:\n    c = 3" in text
+    assert 'if groups.coords["tp"] == 1 and groups.coords["dp"] == 0:\n    d = 4' in text
+    assert cell_block(text, 5).splitlines()[1] == "e = 5"
+    assert out.cells == [1, 2, 3, 4, 5] and out.skipped == []
+    compile(text, "out.py", "exec")
+
+
+def test_guard_keeps_multiline_strings_and_runs_like_the_cell():
+    body = 's = """line one\nline two"""\nprint(s)'
+    text = script(H(1, f"%%dist --ranks 1\n{body}")).text
+    assert 'if rank == 1:\n    s = """line one\nline two"""\n    print(s)' in text
+    printed = io.StringIO()
+    ns = {"rank": 1, "print": lambda *a: printed.write(" ".join(map(str, a)))}
+    exec(cell_block(text, 1), ns)  # the guarded cell prints exactly what the cell printed
+    assert printed.getvalue() == "line one\nline two"
+
+
+def test_failed_cells_are_left_out_as_comments_and_listed():
+    out = script(
+        H(1, "%%dist\nx = 1", ok=True),
+        H(2, "%%dist --ranks 0\nx = boom()", ok=False),
+        H(3, "%%dist\ny = x + 1", ok=None),  # outcome unknown: kept
+    )
+    assert out.cells == [1, 3]
+    block = cell_block(out.text, 2)
+    assert "# x = boom()" in block and "\nx = boom()" not in out.text
+    assert out.skipped == ["In[2]: %%dist --ranks 0 (failed in the notebook; left out, "
+                           "its code below as comments)"]  # fmt: skip
+
+
+def test_kernel_side_steps_are_listed_not_dropped_silently():
+    out = script(
+        H(1, "%load_ext infini_notebook"),
+        H(2, "%%dist\nx = torch.ones(2)"),
+        H(3, "%dist_pull x\nprint(x[0])"),
+        H(4, "%dist_push lr"),
+        H(5, "%dist_status"),
+        H(6, "%%time\nsum(range(10))"),
+        H(7, "%dist_export out.py"),
+    )
+    skipped = "\n".join(out.skipped)
+    assert "In[3]: %dist_pull x" in skipped and "In[3]: notebook code" in skipped
+    assert "In[4]: %dist_push lr" in skipped and "In[5]: %dist_status" in skipped
+    assert "In[6]: %%time cell" in skipped
+    assert "In[1]" not in skipped and "In[7]" not in skipped  # setup, replaced by the header
+    for line in out.skipped:  # each one is marked where it happened in the script too
+        assert f"# skipped {line}" in out.text
+    assert '"# skipped" comments' in out.text.split('"""')[1]
+
+
+def test_ipython_only_lines_are_commented_and_listed():
+    out = script(H(1, "%%dist\nx = 1\n%timeit x + 1\n!nvidia-smi\ny = x != 2"))
+    block = cell_block(out.text, 1)
+    assert "# skipped (IPython only): %timeit x + 1" in block
+    assert "# skipped (IPython only): !nvidia-smi" in block
+    assert "y = x != 2" in block
+    assert len(out.skipped) == 2
+    compile(out.text, "out.py", "exec")
+
+
+def test_last_expression_is_shown_as_in_the_notebook():
+    out = script(
+        H(1, "%%dist\nx = 2\nx * rank  # value"),
+        H(2, "%%dist\nx;"),
+        H(3, "%%dist --ranks 0\nx"),
+    )
+    assert "show(x * rank)  # value" in cell_block(out.text, 1)
+    assert "show(" not in cell_block(out.text, 2)  # ';' hides the value in IPython too
+    assert "if rank == 0:\n    show(x)" in out.text
+    printed = io.StringIO()
+    ns = {"print": lambda *a: printed.write(" ".join(a) + "\n")}
+    exec(out.text.split("def show", 1)[1].split("\n\n\n")[0].join(["def show", ""]), ns)
+    ns["show"](None), ns["show"]([1, 2])
+    assert printed.getvalue() == "[1, 2]\n"  # None is not shown, as in IPython
+
+
+def test_invalid_python_is_left_out_with_the_reason():
+    out = script(H(1, "%%dist\nx = 1"), H(2, "%%dist\nfiles = !ls"))
+    assert out.cells == [1]
+    assert "# files = !ls" in cell_block(out.text, 2)
+    assert "not plain Python" in out.skipped[-1]
+
+
+def test_nothing_to_export_says_what_to_do():
+    with pytest.raises(DistUsageError, match="No %%dist cell ran"):
+        script(H(1, "x = 1"))
+    with pytest.raises(DistUsageError, match="None of the 2 %%dist cells"):
+        script(H(1, "%%dist\na()", ok=False), H(2, "%%dist\nb()", ok=False))
+
+
+def test_last_session_starts_after_the_last_working_dist_start():
+    history = [
+        H(1, "%dist_start --nprocs 2"),
+        H(2, "%%dist\nold = 1"),
+        H(3, "%dist_stop"),
+        H(4, "%load_ext infini_notebook\n%dist_start --nprocs 4 --tp 2 --timeout 60"),
+        H(5, "%%dist\nnew = 1"),
+        H(6, "%dist_start --nprocs 8", ok=False),  # refused: a session runs
+    ]
+    cells, line = export.last_session(history)
+    assert [c.number for c in cells] == [5, 6] and line == "--nprocs 4 --tp 2 --timeout 60"
+    settings = export.settings_from_start(parse_argstring(DistMagics.dist_start, line))
+    assert settings == export.Settings(ParallelLayout(4, tp=2), "gloo", 60.0)
+    assert export.last_session(history[1:3]) == (history[1:3], None)
+
+
+def test_settings_from_start_lines():
+    def settings(line):
+        return export.settings_from_start(parse_argstring(DistMagics.dist_start, line))
+
+    gpu = settings("--gpus 8 --tp 2 --pp 2 --order tp-cp-pp-dp --zero1 2")
+    assert gpu.backend == "nccl" and gpu.layout == ParallelLayout(
+        8, tp=2, pp=2, order="tp-cp-pp-dp", zero1=2
+    )
+    assert settings("--launcher ssh --hosts a:2,b:2").layout.world_size == 4
+    with pytest.raises(DistUsageError, match="bad layout"):
+        settings("--nprocs 4 --tp 3")
+
+
+def test_header_names_the_layout_and_the_command():
+    out = script(H(1, "%%dist\npass"), settings=export.Settings(
+        ParallelLayout(8, tp=2, pp=2, order="tp-cp-pp-dp"), "nccl", 120.0))  # fmt: skip
+    assert "torchrun --nproc_per_node 8 out.py" in out.text
+    assert 'ParallelLayout(world_size=8, tp=2, cp=1, pp=2, dp=2, order="tp-cp-pp-dp")' in out.text
+    assert 'backend="nccl"' in out.text and "timeout=120.0" in out.text
+    assert out.summary("x/out.py").splitlines()[:2] == [
+        "Wrote x/out.py: 1 %%dist cell (In[1]).",
+        "Run it with: torchrun --nproc_per_node 8 x/out.py",
+    ]
+
+
+def test_labeled_stream_writes_whole_labeled_lines():
+    sink = io.StringIO()
+    stream = LabeledStream(sink, "[rank 3]")
+    stream.write("a")
+    assert sink.getvalue() == ""  # no half line yet
+    stream.write("b\nc\n\nd")
+    stream.finish()
+    assert sink.getvalue() == "[rank 3] ab\n[rank 3] c\n[rank 3] \n[rank 3] d\n"
+
+
+def test_torchrun_namespace_refuses_the_wrong_world(monkeypatch):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(DistUsageError, match="torchrun --nproc_per_node 4"):
+        torchrun_namespace({"world_size": 4, "tp": 2})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistUsageError, match="needs 4 ranks.*started 2"):
+        torchrun_namespace({"world_size": 4, "tp": 2})
+
+
+# --------------------------------------------------------------------------- real kernel
+
+
+def run_torchrun(path: str, nproc: int) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",  # gloo pairs on loopback only
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO,
+    }
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), "--rdzv-endpoint", "127.0.0.1:0", path,
+    ]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+LABEL = re.compile(r"^\[ranks? ([\d,\-]+)\] ?(.*)$")
+
+
+def lines_by_rank(text: str, world: int) -> dict[int, list[str]]:
+    """Labeled output -> each rank's lines in order; ``[ranks 0-3] x`` counts for each."""
+    out = defaultdict(list)
+    for line in text.splitlines():
+        m = LABEL.match(line)
+        assert m, f"unlabeled line {line!r}"
+        for rank in parse_ranks(m.group(1), world):
+            out[rank].append(m.group(2))
+    return dict(out)
+
+
+# Run after tutorial 06's cells, before its %dist_stop: guards, a last value, a failed cell
+# and a %dist_pull, which the tutorial itself does not have.
+EXTRA_CELLS = [
+    "%%dist --where tp=1\nprint('tp rank 1 of', groups.ranks_in('tp'))\nrank * 10",
+    "%%dist --ranks 0,3\nprint('checksum', round(out.sum().item(), 4))",
+    "%%dist --ranks 1\nraise ValueError('left out: it failed')",
+    "%dist_pull checks",
+]
+
+
+@pytest.mark.timeout(600)
+def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path):
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(os.path.join(REPO, "notebooks", "06_tensor_parallel_mlp.ipynb"), 4)
+    *cells, stop = [c for c in nb.cells if c.cell_type == "code"]
+    assert stop.source == "%dist_stop"
+    path = str(tmp_path / "nb06.py")
+    cells += [nbformat.v4.new_code_cell(src) for src in EXTRA_CELLS]
+    cells += [nbformat.v4.new_code_cell(f"%dist_export {path}"), stop]
+    nb.cells = cells
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": REPO}})  # fmt: skip
+    with client.setup_kernel():
+        for i, cell in enumerate(cells):
+            client.execute_cell(cell, i)
+    errors = [c.source for c in cells if any(o.output_type == "error" for o in c.outputs)]
+    assert errors == [EXTRA_CELLS[2]], errors
+    said = text_of(cells[-2])
+    dist_cells = [c for c in cells if c.source.startswith("%%dist")]
+    assert f"Wrote {path}: {len(dist_cells) - 1} %%dist cells" in said, said
+    assert "torchrun --nproc_per_node 4" in said
+    skipped = [line for line in said.splitlines() if line.startswith("skipped")]
+    assert len(skipped) == 4, said  # the failed cell, %dist_pull, two cells of kernel code
+    assert "(failed in the notebook" in skipped[2] and "%dist_pull checks" in skipped[3]
+
+    notebook = lines_by_rank("".join(text_of(c, "stdout") for c in dist_cells), 4)
+    assert notebook[1][-2:] == ["tp rank 1 of [0, 1]", "10"]  # the extra cells did show
+    proc = run_torchrun(path, 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines_by_rank(proc.stdout, 4) == notebook
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exported_script_runs_on_nccl_one_gpu_per_rank(tmp_path):
+    n = torch.cuda.device_count()
+    cell = "%%dist\nx = torch.ones(4, device=device) * (rank + 1)\ndist.all_reduce(x)\n"
+    cell += "print(dist.get_backend(), x.device, x.sum().item())"
+    out = script(H(1, cell), settings=export.Settings(ParallelLayout(n), "nccl", 60.0))
+    path = tmp_path / "gpu.py"
+    path.write_text(out.text)
+    proc = run_torchrun(str(path), n)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    total = 4.0 * n * (n + 1) / 2
+    assert lines_by_rank(proc.stdout, n) == {r: [f"nccl cuda:{r} {total}"] for r in range(n)}
+
+
+def test_export_magic_errors_and_help(kernel, tmp_path):
+    existing = tmp_path / "taken.py"
+    existing.write_text("keep me\n")
+    cases = {
+        f"%dist_export {existing}": "exists: pass --force to overwrite it",
+        f"%dist_export {tmp_path}/no/such/dir/x.py": "does not exist: create it",
+        f"%dist_export {tmp_path}": "is a folder: give a file name",
+        f"%dist_export {tmp_path}/x.py": "No session is running and no %dist_start ran",
+    }
+    for line, message in cases.items():
+        shown = text_of(kernel.run(line, allow_error=True))
+        assert message in shown and "DistUsageError" in shown, shown
+        assert "Traceback" not in shown, shown
+    assert existing.read_text() == "keep me\n"
+    # what %dist_export? shows (IPython pages it, so read the magic's docstring directly)
+    doc = text_of(kernel.run('print(get_ipython().find_line_magic("dist_export").__doc__)'))
+    assert "Write this session's %%dist cells" in doc and "--force" in doc
