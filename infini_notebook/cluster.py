@@ -55,6 +55,7 @@ class CellResult:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
     report: str = ""  # the labeled tracebacks, identical ones grouped
     elapsed: float = 0.0
+    timed_out: list[int] = field(default_factory=list)  # ranks whose collective timed out
 
 
 @dataclass
@@ -528,8 +529,7 @@ class Session:
         self.last = result
         if result.errors:
             self._errored |= set(result.errors)
-            summary = error_summary(result.errors, targets) + _advice(result.errors, targets)
-            raise DistCellError(summary, result.report, sorted(result.errors))
+            raise self._cell_error(result, targets)
         self._errored -= set(targets)
         return result
 
@@ -606,7 +606,10 @@ class Session:
             result.stderr[r] = md["stderr"]
             if isinstance(reply, BaseException):
                 result.errors[r] = _one_line(reply)
-                tracebacks[r] = _remote_traceback(reply)
+                if not _engine_died(reply):  # its traceback is ipyparallel's, not the user's
+                    tracebacks[r] = _remote_traceback(reply)
+                if _collective_timed_out(reply):
+                    result.timed_out.append(r)
             elif md.get("execute_result"):
                 data = md["execute_result"].get("data", {})
                 result.results[r] = data
@@ -644,9 +647,24 @@ class Session:
         for r in dead:
             self._errored.add(r)
         raise DistCellError(
-            f"{_dead_text(dead)}. The other ranks were interrupted. "
-            "Run %dist_restart --hard to bring the session back (variables are lost).",
+            f"{_dead_text(dead)}. The other ranks were interrupted. {_HARD_RESTART}",
             ranks=sorted(dead),
+        )
+
+    def _cell_error(self, result: CellResult, targets: list[int]) -> DistCellError:
+        """The error a failed cell raises. A rank that died while the others finished
+        (ipyparallel answers for it with an EngineError) is named with its exit code."""
+        died = self._dead_ranks(sorted(result.errors))
+        for r, e in result.errors.items():
+            if r not in died and e.startswith("EngineError"):
+                died[r] = "its engine stopped"
+        if not died:
+            summary = error_summary(result.errors, targets) + _advice(result)
+            return DistCellError(summary, result.report, sorted(result.errors))
+        others = {r: e for r, e in result.errors.items() if r not in died}
+        also = f"; {error_summary(others, [])}" if others else ""
+        return DistCellError(
+            f"{_dead_text(died)}{also}. {_HARD_RESTART}", result.report, sorted(result.errors)
         )
 
     def _dead_ranks(self, targets) -> dict[int, str]:
@@ -845,6 +863,27 @@ def _remote_traceback(e: BaseException) -> str:
 INTERRUPT_GRACE_S = 3.0
 COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
+# torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_BACKEND_WORDS = ("gloo", "nccl", "processgroup")
+_HARD_RESTART = "Run %dist_restart --hard to bring the session back (variables are lost)."
+
+
+def _engine_died(e: BaseException) -> bool:
+    """ipyparallel's answer for a task whose engine went away."""
+    return getattr(e, "ename", type(e).__name__) == "EngineError"
+
+
+def _collective_timed_out(e: BaseException) -> bool:
+    """A timeout raised by torch.distributed or its backends, not any error that says
+    "timeout" (a user's own TimeoutError leaves the process groups intact)."""
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = str(getattr(e, "evalue", e)).lower()  # raw: gloo's source path is kept
+    if not any(w in evalue for w in _TIMEOUT_WORDS):
+        return False
+    return ename in _DIST_ERRORS or (
+        ename == "RuntimeError" and any(w in evalue for w in _BACKEND_WORDS)
+    )
 
 
 def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
@@ -856,9 +895,9 @@ def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
     )
 
 
-def _advice(errors: dict[int, str], targets: list[int]) -> str:
+def _advice(result: CellResult) -> str:
     """What to do next, for failures that leave the process groups unusable."""
-    if any(w in e.lower() for e in errors.values() for w in _TIMEOUT_WORDS):
+    if result.timed_out:
         return (
             ". A collective timed out: the failing ranks waited for peers that never joined; "
             "their tracebacks show where. The process groups are likely broken: run "
