@@ -33,7 +33,7 @@ from .output import (
     main_thread_stack,
     prefix_lines,
 )
-from .plan import LOOPBACK, SessionPlan, make_plan
+from .plan import LOOPBACK, SessionPlan, is_loopback, make_plan
 from .ranks import parse_ranks, rank_label
 
 log = logging.getLogger("infini_notebook")
@@ -133,24 +133,22 @@ class Session:
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
         self._watchdog = None
+        self._made_init_file = False  # stop() removes a file:// path only if we made it
 
     # ----- start / stop -------------------------------------------------------------------
     def start(self, progress: Progress | None = None) -> Session:
         t0 = time.perf_counter()
+        method = self.plan.init_method
+        self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
         try:
             self._start_store()
             self._launch(progress)
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
             raise
-        except Exception as e:  # a launcher, ssh or the controller failed
+        except Exception as e:  # a launcher, ssh, an engine or the controller failed
             self.stop()
-            launcher = self.plan.placement.launcher
-            raise DistCellError(
-                f"Starting {self.world_size} ranks with the {launcher} launcher failed: "
-                f"{_one_line(e)}. Nothing is left running. Check that the hosts are reachable "
-                "and run the same Python with infini_notebook installed."
-            ) from None
+            raise _start_error(self.plan, e) from None
         self.running = True
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
@@ -197,15 +195,20 @@ class Session:
         import torch.distributed as dist
 
         method = self.plan.init_method
-        if self.plan.bind_address not in LOOPBACK:
-            warnings.warn(
-                f"Listening on {self.plan.bind_address}: the rendezvous TCPStore has no "
-                "authentication, so anyone who reaches that address can join or disturb the "
-                "session. ipyparallel's traffic is encrypted (CurveZMQ).",
-                stacklevel=2,
-            )
         host = method.host if method.kind == "tcp" else self.plan.bind_address
         port = method.port if method.kind == "tcp" else 0
+        if not is_loopback(host):  # allowed (ranks elsewhere need it), but never silently
+            warnings.warn(
+                f"Listening on {host}: the rendezvous TCPStore has no authentication, so "
+                "anyone who reaches that address can join or disturb the session. Keep it on "
+                "a private network."
+                + (
+                    " ipyparallel's traffic is encrypted (CurveZMQ)."
+                    if self.plan.bind_address not in LOOPBACK
+                    else ""
+                ),
+                stacklevel=2,
+            )
         try:
             sock = socket.create_server((host, port), backlog=1024)
             port = sock.getsockname()[1]
@@ -245,7 +248,7 @@ class Session:
                 progress(up, self.world_size, "engines up")
             stopped = [es for es in self._cluster.engines.values() if es.state == "after"]
             if stopped:
-                raise RuntimeError(f"engines exited while starting: {stopped[0].stop_data}")
+                raise _EnginesExited(stopped[0])
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {up} of {self.world_size} engines came up in {timeout}s")
             time.sleep(0.05)
@@ -374,7 +377,7 @@ class Session:
             self._loop = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
-        if self.plan.init_method.kind == "file":
+        if self._made_init_file:  # a path the user made stays (it may be theirs)
             _remove_quietly(self.plan.init_method.path)
         if _current is self:
             _current = None
@@ -746,7 +749,12 @@ class Session:
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
-        self.apply(engine.push_values, values, ranks=ranks, timeout=60)
+        try:
+            self.apply(engine.push_values, values, ranks=ranks, timeout=60)
+        except (DistUsageError, DistCellError):
+            raise
+        except Exception as e:  # ipyparallel could not serialize a value: nothing was sent
+            raise DistUsageError(_unsendable_text(values, e)) from None
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
@@ -904,6 +912,64 @@ def _advice(result: CellResult) -> str:
             "%dist_restart (keeps variables)."
         )
     return ""
+
+
+def _unsendable_text(values: dict, error: Exception) -> str:
+    """Name the value that cannot travel to the ranks (tried one by one, only on failure)."""
+    from ipyparallel.serialize import serialize_object
+
+    for name, value in values.items():
+        try:
+            serialize_object(value)
+        except Exception:
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            kind = kind.removeprefix("builtins.")
+            return (
+                f"cannot send `{name}` to the ranks: {kind} cannot be pickled. Send the data "
+                "it holds instead, or create it on the ranks in a %%dist cell."
+            )
+    return f"cannot send {', '.join(f'`{n}`' for n in values)} to the ranks: {_one_line(error)}"
+
+
+class _EnginesExited(RuntimeError):
+    """Engines ended before registering; carries the tail of what they printed."""
+
+    def __init__(self, engine_set, lines: int = 20):
+        exits = (engine_set.stop_data or {}).get("engines", {})
+        failed = {i: d.get("exit_code") for i, d in exits.items() if d.get("exit_code")}
+        ident, code = next(iter(failed.items()), next(iter(exits.items()), ("?", None)))
+        more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
+        super().__init__(f"engine {ident} exited while starting ({_exit_description(code)}){more}")
+        try:
+            output = engine_set.get_output()
+        except Exception:
+            output = ""
+        self.output = "".join(output.splitlines(True)[-lines:])
+
+
+def _start_error(plan: SessionPlan, e: Exception) -> DistCellError:
+    """What a failed start says: the cause (an engine's own output when it exited) and
+    advice that fits where the ranks run."""
+    place = plan.placement
+    remote = place.launcher == "slurm" or any(not is_loopback(h) for h, _ in place.hosts)
+    cause = str(e) if isinstance(e, _EnginesExited) else _one_line(e)
+    output = getattr(e, "output", "").rstrip()
+    seen = " (its output is above)" if output else ""
+    if remote:
+        advice = (
+            "Check that the hosts are reachable and run the same Python with "
+            "infini_notebook installed."
+        )
+    else:
+        advice = (
+            f"The engines run {sys.executable} on this machine: check that it imports "
+            "ipyparallel, torch and infini_notebook, and your --env values."
+        )
+    return DistCellError(
+        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
+        f"{cause}{seen}. Nothing is left running. {advice}",
+        f"{output}\n" if output else "",
+    )
 
 
 def _dead_text(dead: dict[int, str]) -> str:

@@ -13,7 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cluster
 from .errors import DistUsageError
-from .output import main_thread_stack
+from .output import main_thread_stack, rank_values_repr
 
 
 def _session() -> cluster.Session:
@@ -41,6 +41,14 @@ def parse_where(text: str) -> dict[str, int]:
     if not coords:
         raise DistUsageError("--where needs at least one coordinate, like pp=0.")
     return coords
+
+
+class RankValues(dict):
+    """``{rank: value}``, as ``%dist_pull`` returns it: a dict whose notebook display shows
+    one short line per rank, so a bare ``%dist_pull big`` does not flood the page."""
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(rank_values_repr(self))
 
 
 @magics_class
@@ -276,12 +284,16 @@ class DistMagics(Magics):
     @argument("-o", "--out", default=None, help="notebook variable to store in (default NAME)")
     @line_magic
     def dist_pull(self, line: str):
-        """Bring NAME from the ranks into the notebook as {rank: value}; tensors come as CPU."""
+        """Bring NAME from the ranks into the notebook as {rank: value}; tensors come as CPU.
+
+        Stored under NAME (or -o) and returned: vals = %dist_pull loss
+        """
         args = parse_argstring(self.dist_pull, line)
-        values = _session().pull(args.name, args.ranks)
+        values = RankValues(_session().pull(args.name, args.ranks))
         target = args.out or args.name
         self.shell.user_ns[target] = values
         print(f"{target} = {{rank: value}} for ranks {sorted(values)}")
+        return values
 
     @magic_arguments()
     @argument("name", help="notebook variable to send to the ranks")
@@ -323,8 +335,9 @@ class DistMagics(Magics):
     def dist_bench(self, line: str):
         """Collective bandwidth per parallel group, as nccl-tests measures it.
 
-        Prints the table, plots busbw against size and stores the DataFrame under -o.
-        Example: %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M -o df
+        Prints the table, plots busbw against size and returns the DataFrame (also stored
+        under -o; end the line with ; to not show it again).
+        Example: df = %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M
         """
         from IPython.display import Image, display
 
@@ -365,3 +378,4 @@ class DistMagics(Magics):
             display(Image(data=viz.figure_png(fig), format="png"))
         if args.out:
             self.shell.user_ns[args.out] = result
+        return result
