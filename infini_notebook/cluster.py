@@ -33,7 +33,7 @@ from .output import (
     main_thread_stack,
     prefix_lines,
 )
-from .plan import LOOPBACK, SessionPlan, make_plan
+from .plan import LOOPBACK, SessionPlan, is_loopback, make_plan
 from .ranks import parse_ranks, rank_label
 
 log = logging.getLogger("infini_notebook")
@@ -55,6 +55,7 @@ class CellResult:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
     report: str = ""  # the labeled tracebacks, identical ones grouped
     elapsed: float = 0.0
+    timed_out: list[int] = field(default_factory=list)  # ranks whose collective timed out
 
 
 @dataclass
@@ -133,24 +134,22 @@ class Session:
         self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
         self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
         self._watchdog = None
+        self._made_init_file = False  # stop() removes a file:// path only if we made it
 
     # ----- start / stop -------------------------------------------------------------------
     def start(self, progress: Progress | None = None) -> Session:
         t0 = time.perf_counter()
+        method = self.plan.init_method
+        self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
         try:
             self._start_store()
             self._launch(progress)
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
             raise
-        except Exception as e:  # a launcher, ssh or the controller failed
+        except Exception as e:  # a launcher, ssh, an engine or the controller failed
             self.stop()
-            launcher = self.plan.placement.launcher
-            raise DistCellError(
-                f"Starting {self.world_size} ranks with the {launcher} launcher failed: "
-                f"{_one_line(e)}. Nothing is left running. Check that the hosts are reachable "
-                "and run the same Python with infini_notebook installed."
-            ) from None
+            raise _start_error(self.plan, e) from None
         self.running = True
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
@@ -197,15 +196,20 @@ class Session:
         import torch.distributed as dist
 
         method = self.plan.init_method
-        if self.plan.bind_address not in LOOPBACK:
-            warnings.warn(
-                f"Listening on {self.plan.bind_address}: the rendezvous TCPStore has no "
-                "authentication, so anyone who reaches that address can join or disturb the "
-                "session. ipyparallel's traffic is encrypted (CurveZMQ).",
-                stacklevel=2,
-            )
         host = method.host if method.kind == "tcp" else self.plan.bind_address
         port = method.port if method.kind == "tcp" else 0
+        if not is_loopback(host):  # allowed (ranks elsewhere need it), but never silently
+            warnings.warn(
+                f"Listening on {host}: the rendezvous TCPStore has no authentication, so "
+                "anyone who reaches that address can join or disturb the session. Keep it on "
+                "a private network."
+                + (
+                    " ipyparallel's traffic is encrypted (CurveZMQ)."
+                    if self.plan.bind_address not in LOOPBACK
+                    else ""
+                ),
+                stacklevel=2,
+            )
         try:
             sock = socket.create_server((host, port), backlog=1024)
             port = sock.getsockname()[1]
@@ -249,7 +253,7 @@ class Session:
                 progress(up, self.world_size, note)
             stopped = [es for es in self._cluster.engines.values() if es.state == "after"]
             if stopped:
-                raise RuntimeError(f"engines exited while starting: {stopped[0].stop_data}")
+                raise _EnginesExited(stopped[0])
             if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
                 note, asked = self._check_batch_job() or note, time.monotonic()
             if time.monotonic() > deadline:
@@ -389,7 +393,7 @@ class Session:
             self._loop = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
-        if self.plan.init_method.kind == "file":
+        if self._made_init_file:  # a path the user made stays (it may be theirs)
             _remove_quietly(self.plan.init_method.path)
         if _current is self:
             _current = None
@@ -559,8 +563,7 @@ class Session:
         self.last = result
         if result.errors:
             self._errored |= set(result.errors)
-            summary = error_summary(result.errors, targets) + _advice(result.errors, targets)
-            raise DistCellError(summary, result.report, sorted(result.errors))
+            raise self._cell_error(result, targets)
         self._errored -= set(targets)
         return result
 
@@ -637,7 +640,10 @@ class Session:
             result.stderr[r] = md["stderr"]
             if isinstance(reply, BaseException):
                 result.errors[r] = _one_line(reply)
-                tracebacks[r] = _remote_traceback(reply)
+                if not _engine_died(reply):  # its traceback is ipyparallel's, not the user's
+                    tracebacks[r] = _remote_traceback(reply)
+                if _collective_timed_out(reply):
+                    result.timed_out.append(r)
             elif md.get("execute_result"):
                 data = md["execute_result"].get("data", {})
                 result.results[r] = data
@@ -675,9 +681,24 @@ class Session:
         for r in dead:
             self._errored.add(r)
         raise DistCellError(
-            f"{_dead_text(dead)}. The other ranks were interrupted. "
-            "Run %dist_restart --hard to bring the session back (variables are lost).",
+            f"{_dead_text(dead)}. The other ranks were interrupted. {_HARD_RESTART}",
             ranks=sorted(dead),
+        )
+
+    def _cell_error(self, result: CellResult, targets: list[int]) -> DistCellError:
+        """The error a failed cell raises. A rank that died while the others finished
+        (ipyparallel answers for it with an EngineError) is named with its exit code."""
+        died = self._dead_ranks(sorted(result.errors))
+        for r, e in result.errors.items():
+            if r not in died and e.startswith("EngineError"):
+                died[r] = "its engine stopped"
+        if not died:
+            summary = error_summary(result.errors, targets) + _advice(result)
+            return DistCellError(summary, result.report, sorted(result.errors))
+        others = {r: e for r, e in result.errors.items() if r not in died}
+        also = f"; {error_summary(others, [])}" if others else ""
+        return DistCellError(
+            f"{_dead_text(died)}{also}. {_HARD_RESTART}", result.report, sorted(result.errors)
         )
 
     def _dead_ranks(self, targets) -> dict[int, str]:
@@ -775,7 +796,12 @@ class Session:
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
-        self.apply(engine.push_values, values, ranks=ranks, timeout=60)
+        try:
+            self.apply(engine.push_values, values, ranks=ranks, timeout=60)
+        except (DistUsageError, DistCellError):
+            raise
+        except Exception as e:  # ipyparallel could not serialize a value: nothing was sent
+            raise DistUsageError(_unsendable_text(values, e)) from None
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
@@ -893,6 +919,27 @@ def _remote_traceback(e: BaseException) -> str:
 INTERRUPT_GRACE_S = 3.0
 COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
+# torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_BACKEND_WORDS = ("gloo", "nccl", "processgroup")
+_HARD_RESTART = "Run %dist_restart --hard to bring the session back (variables are lost)."
+
+
+def _engine_died(e: BaseException) -> bool:
+    """ipyparallel's answer for a task whose engine went away."""
+    return getattr(e, "ename", type(e).__name__) == "EngineError"
+
+
+def _collective_timed_out(e: BaseException) -> bool:
+    """A timeout raised by torch.distributed or its backends, not any error that says
+    "timeout" (a user's own TimeoutError leaves the process groups intact)."""
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = str(getattr(e, "evalue", e)).lower()  # raw: gloo's source path is kept
+    if not any(w in evalue for w in _TIMEOUT_WORDS):
+        return False
+    return ename in _DIST_ERRORS or (
+        ename == "RuntimeError" and any(w in evalue for w in _BACKEND_WORDS)
+    )
 
 
 def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
@@ -904,15 +951,73 @@ def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
     )
 
 
-def _advice(errors: dict[int, str], targets: list[int]) -> str:
+def _advice(result: CellResult) -> str:
     """What to do next, for failures that leave the process groups unusable."""
-    if any(w in e.lower() for e in errors.values() for w in _TIMEOUT_WORDS):
+    if result.timed_out:
         return (
             ". A collective timed out: the failing ranks waited for peers that never joined; "
             "their tracebacks show where. The process groups are likely broken: run "
             "%dist_restart (keeps variables)."
         )
     return ""
+
+
+def _unsendable_text(values: dict, error: Exception) -> str:
+    """Name the value that cannot travel to the ranks (tried one by one, only on failure)."""
+    from ipyparallel.serialize import serialize_object
+
+    for name, value in values.items():
+        try:
+            serialize_object(value)
+        except Exception:
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            kind = kind.removeprefix("builtins.")
+            return (
+                f"cannot send `{name}` to the ranks: {kind} cannot be pickled. Send the data "
+                "it holds instead, or create it on the ranks in a %%dist cell."
+            )
+    return f"cannot send {', '.join(f'`{n}`' for n in values)} to the ranks: {_one_line(error)}"
+
+
+class _EnginesExited(RuntimeError):
+    """Engines ended before registering; carries the tail of what they printed."""
+
+    def __init__(self, engine_set, lines: int = 20):
+        exits = (engine_set.stop_data or {}).get("engines", {})
+        failed = {i: d.get("exit_code") for i, d in exits.items() if d.get("exit_code")}
+        ident, code = next(iter(failed.items()), next(iter(exits.items()), ("?", None)))
+        more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
+        super().__init__(f"engine {ident} exited while starting ({_exit_description(code)}){more}")
+        try:
+            output = engine_set.get_output()
+        except Exception:
+            output = ""
+        self.output = "".join(output.splitlines(True)[-lines:])
+
+
+def _start_error(plan: SessionPlan, e: Exception) -> DistCellError:
+    """What a failed start says: the cause (an engine's own output when it exited) and
+    advice that fits where the ranks run."""
+    place = plan.placement
+    remote = place.launcher == "slurm" or any(not is_loopback(h) for h, _ in place.hosts)
+    cause = str(e) if isinstance(e, _EnginesExited) else _one_line(e)
+    output = getattr(e, "output", "").rstrip()
+    seen = " (its output is above)" if output else ""
+    if remote:
+        advice = (
+            "Check that the hosts are reachable and run the same Python with "
+            "infini_notebook installed."
+        )
+    else:
+        advice = (
+            f"The engines run {sys.executable} on this machine: check that it imports "
+            "ipyparallel, torch and infini_notebook, and your --env values."
+        )
+    return DistCellError(
+        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
+        f"{cause}{seen}. Nothing is left running. {advice}",
+        f"{output}\n" if output else "",
+    )
 
 
 def _dead_text(dead: dict[int, str]) -> str:

@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cluster
 from .errors import DistUsageError
-from .output import main_thread_stack
+from .output import main_thread_stack, rank_values_repr
 from .ranks import parse_where
 
 
@@ -39,6 +39,14 @@ def _unquote(text: str | None) -> str | None:
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
+
+
+class RankValues(dict):
+    """``{rank: value}``, as ``%dist_pull`` returns it: a dict whose notebook display shows
+    one short line per rank, so a bare ``%dist_pull big`` does not flood the page."""
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(rank_values_repr(self))
 
 
 @magics_class
@@ -274,12 +282,16 @@ class DistMagics(Magics):
     @argument("-o", "--out", default=None, help="notebook variable to store in (default NAME)")
     @line_magic
     def dist_pull(self, line: str):
-        """Bring NAME from the ranks into the notebook as {rank: value}; tensors come as CPU."""
+        """Bring NAME from the ranks into the notebook as {rank: value}; tensors come as CPU.
+
+        Stored under NAME (or -o) and returned: vals = %dist_pull loss
+        """
         args = parse_argstring(self.dist_pull, line)
-        values = _session().pull(args.name, args.ranks)
+        values = RankValues(_session().pull(args.name, args.ranks))
         target = args.out or args.name
         self.shell.user_ns[target] = values
         print(f"{target} = {{rank: value}} for ranks {sorted(values)}")
+        return values
 
     @magic_arguments()
     @argument("name", help="notebook variable to send to the ranks")
@@ -321,8 +333,9 @@ class DistMagics(Magics):
     def dist_bench(self, line: str):
         """Collective bandwidth per parallel group, as nccl-tests measures it.
 
-        Prints the table, plots busbw against size and stores the DataFrame under -o.
-        Example: %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M -o df
+        Prints the table, plots busbw against size and returns the DataFrame (also stored
+        under -o; end the line with ; to not show it again).
+        Example: df = %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M
         """
         from IPython.display import Image, display
 
@@ -363,6 +376,7 @@ class DistMagics(Magics):
             display(Image(data=viz.figure_png(fig), format="png"))
         if args.out:
             self.shell.user_ns[args.out] = result
+        return result
 
     @magic_arguments()
     @argument("path", help="the script to write, e.g. train.py")

@@ -113,6 +113,23 @@ def error_summary(errors: dict[int, str], all_ranks: list[int]) -> str:
     return f"{what}{tail}"
 
 
+def rank_values_repr(values: dict, width: int = 120) -> str:
+    """``{rank: value}`` shown one short line per rank: big lists, strings and tensors are
+    cut (reprlib), so showing what %dist_pull returned cannot flood the notebook."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
+    short.maxstring = short.maxother = width
+    lines = []
+    for rank, value in values.items():
+        text = " ".join(short.repr(value).split())  # multi-line reprs (tensors) on one line
+        if len(text) > width:
+            text = text[: width - 3] + "..."
+        lines.append(f"{rank!r}: {text}")
+    return "{" + ",\n ".join(lines) + "}"
+
+
 def main_thread_stack(dump: str) -> str:
     """From a faulthandler dump of every thread, the block of the thread that runs the cell
     (the one faulthandler calls 'Current thread', else the longest)."""

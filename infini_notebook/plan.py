@@ -17,6 +17,19 @@ LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps a socket to this machine. Names other than
+    localhost count as reachable from outside (no DNS lookup here)."""
+    import ipaddress
+
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where ranks run. ``hosts`` lists (host, slots) in rank order: host i holds the next
@@ -84,11 +97,18 @@ def parse_init_method(text: str | None, bind_address: str = "127.0.0.1") -> Init
         return InitMethod("env", host=bind_address)
     url = urlparse(text)
     if url.scheme == "tcp":
-        if not url.hostname or url.port is None:
+        try:
+            port = url.port
+        except ValueError:  # urllib: not a number, or not in 0-65535
+            raise DistUsageError(
+                f"--init-method {text!r}: the port must be a number from 1 to 65535, "
+                "like tcp://127.0.0.1:29500."
+            ) from None
+        if not url.hostname or port is None:
             raise DistUsageError(
                 f"--init-method {text!r} needs a host and a port, like tcp://127.0.0.1:29500."
             )
-        return InitMethod("tcp", host=url.hostname, port=url.port)
+        return InitMethod("tcp", host=url.hostname, port=port)
     if url.scheme == "file":
         path = url.path
         if not path.startswith("/") or url.netloc:

@@ -517,7 +517,8 @@ def status_summary(states: Sequence[RankState]) -> str:
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
-    order = ["busy", "error", "dead", "idle", "stopped"]
+    order = ["busy", "stuck", "error", "dead", "idle", "stopped"]
+    order += sorted(s for s in counts if s not in order)  # a state added later still counts
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
     return f"{len(states)} ranks: " + ", ".join(parts)
 

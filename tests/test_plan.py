@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from infini_notebook.errors import DistUsageError
 from infini_notebook.output import StreamLabeler, error_report, error_summary, group_identical
-from infini_notebook.plan import make_plan, parse_init_method
+from infini_notebook.plan import is_loopback, make_plan, parse_init_method
 from infini_notebook.ranks import format_ranks, parse_ranks, rank_label
 
 
@@ -63,6 +63,20 @@ def test_init_methods_parse():
         parse_init_method("file://tmp/x")
     with pytest.raises(DistUsageError, match="does not exist"):
         parse_init_method("file:///no/such/dir/x")
+
+
+@pytest.mark.parametrize("url", ["tcp://h:70000", "tcp://h:port"])
+def test_bad_tcp_port_names_the_valid_range(url):
+    with pytest.raises(DistUsageError, match="from 1 to 65535") as e:
+        make_plan(nprocs=2, init_method=url)
+    assert url in str(e.value) and "\n" not in str(e.value)
+
+
+def test_loopback_addresses():
+    assert is_loopback("127.0.0.1") and is_loopback("127.0.0.2") and is_loopback("localhost")
+    assert is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("node1")  # a name: may resolve to anything
 
 
 # ----- ranks -----------------------------------------------------------------------------

@@ -158,6 +158,8 @@ def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     assert ">busy 1m05s</span>" in viz.status_tile_html(gpu, busy_for=65.2)
     states = [fake_state(r, s) for r, s in enumerate(["idle", "busy", "busy", "error"])]
     assert viz.status_summary(states) == "4 ranks: 2 busy, 1 error, 1 idle"
+    stuck = [fake_state(r, s) for r, s in enumerate(["stuck", "busy", "dead", "stuck"])]
+    assert viz.status_summary(stuck) == "4 ranks: 1 busy, 2 stuck, 1 dead"
     text = viz.status_text(states, ParallelLayout(4, tp=2))
     assert re.search(r"3\s+error\s+tp1 dp1\s+node0\s+103\s+cpu", text)
 
