@@ -67,8 +67,13 @@ class RankState:
     device_name: str
     state: str  # idle, busy, error, dead
     coords: dict = field(default_factory=dict)
-    memory_used: int | None = None
+    memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)
     exit_code: int | None = None
+    # live, from the rank's telemetry thread (engine.TELEMETRY_FIELDS); None until it reports
+    memory_total: int | None = None
+    gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank
+    rss: int | None = None  # the rank's process (bytes)
+    cpu_percent: float | None = None  # 100 = one core busy
 
 
 def current() -> Session | None:
@@ -810,7 +815,10 @@ class Session:
             busy = set(self._busy)
         stuck = self._still_stuck()
         alive = self._liveness()
+        telemetry = self._telemetry()
         for rs in self.ranks:
+            for name, value in telemetry.get(rs.rank, {}).items():
+                setattr(rs, name, value)
             proc = self._pids.get(rs.rank)
             if not self.running:
                 rs.state = "stopped"
@@ -827,6 +835,21 @@ class Session:
             else:
                 rs.state = "idle"
         return list(self.ranks)
+
+    def _telemetry(self) -> dict[int, dict]:
+        """The latest snapshot each rank's telemetry thread put in the store (engine.py)."""
+        store = self._store
+        if store is None or not self.running:
+            return {}
+        out = {}
+        try:
+            for rs in self.ranks:
+                key = engine.telemetry_key(rs.rank)
+                if store.check([key]):  # get would wait for a rank that has not reported yet
+                    out[rs.rank] = engine.parse_telemetry(store.get(key))
+        except Exception:  # the store is closing with the session: show what we have
+            pass
+        return out
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -1,5 +1,5 @@
 """What runs inside each engine (one process per rank): bootstrap, namespace, stack dumps,
-parent watch. The kernel calls these functions through ipyparallel's ``apply``.
+telemetry, parent watch. The kernel calls these functions through ipyparallel's ``apply``.
 
 Importing this module must stay cheap and torch-free: ipyparallel unpickles functions by
 module reference, and the environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) has to be set
@@ -9,6 +9,7 @@ before torch is first imported on the engine.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import re
 import socket
@@ -56,6 +57,7 @@ def bootstrap(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     if cfg.get("gpu") is not None:
         torch.cuda.set_device(0)  # the only GPU this engine sees
+    _install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
 
@@ -372,6 +374,80 @@ def as_seen_by_thread(dump: str, main: int, helper: int) -> str:
             block = block.lstrip().replace("Current thread", "Thread", 1)
         blocks.append(block)
     return "\n\n".join(blocks) + "\n"
+
+
+# Each rank's telemetry thread writes a JSON snapshot under telemetry_key(rank) every
+# TELEMETRY_INTERVAL_S; Session.status() reads them into RankState.
+TELEMETRY_INTERVAL_S = 1.0
+
+
+# The snapshot's fields, named as RankState's.
+TELEMETRY_FIELDS = ("rss", "cpu_percent", "memory_used", "memory_total", "gpu_util")
+
+
+def telemetry_key(rank: int) -> str:
+    return f"infini/telemetry/{rank}"
+
+
+def parse_telemetry(raw: bytes) -> dict:
+    """A snapshot as the kernel reads it: known numeric fields only, {} when unreadable."""
+    try:
+        snap = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(snap, dict):
+        return {}
+    return {
+        k: v
+        for k, v in snap.items()
+        if k in TELEMETRY_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def _install_telemetry(cfg: dict) -> None:
+    """Publish this rank's resource use (RSS, CPU %, GPU memory and utilization) through the
+    kernel's TCPStore from a thread of our own, so it stays fresh while a cell runs (also on
+    another host). Its own store client: the stack thread's sits in a long wait."""
+    rank, gpu = cfg["rank"], cfg.get("gpu") is not None
+
+    def publish() -> None:
+        import psutil
+        import torch.distributed as dist
+
+        proc = psutil.Process()
+        proc.cpu_percent(None)  # the first call only starts the measurement
+        store = None
+        while True:
+            time.sleep(TELEMETRY_INTERVAL_S)
+            try:
+                if store is None:
+                    store = dist.TCPStore(
+                        cfg["master_addr"],
+                        int(cfg["master_port"]),
+                        is_master=False,
+                        timeout=timedelta(seconds=10),
+                    )
+                store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
+            except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
+                store = None
+
+    threading.Thread(target=publish, name="infini-telemetry", daemon=True).start()
+
+
+def _snapshot(proc, gpu: bool) -> dict:
+    """This process's RSS and CPU % (100 = one core), and on a GPU rank the device's memory
+    in use and total (every process on it, as nvidia-smi counts) and its utilization."""
+    snap = {"rss": proc.memory_info().rss, "cpu_percent": proc.cpu_percent(None)}
+    if gpu:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(0)
+        snap.update(memory_used=total - free, memory_total=total)
+        try:  # needs nvidia-ml-py; torch maps our CUDA_VISIBLE_DEVICES to NVML's index
+            snap["gpu_util"] = torch.cuda.utilization(0)
+        except Exception:
+            pass
+    return snap
 
 
 def identity() -> dict:

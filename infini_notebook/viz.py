@@ -66,6 +66,7 @@ CSS = """
 .infini-rank-tile .infini-state { float: right; margin-left: 8px; font-weight: 600; color: #fff;
   padding: 0 6px; border-radius: 8px; font-size: 11px; }
 .infini-rank-tile .infini-muted { color: #666; }
+.infini-rank-tile .infini-usage { font-variant-numeric: tabular-nums; }
 .infini-group-tile.jupyter-button { white-space: pre; height: auto; line-height: 1.35;
   padding: 6px 4px; font-size: 12px; border-radius: 6px; }
 .infini-group-tile.infini-dim { opacity: 0.35; }
@@ -478,12 +479,36 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def device_text(rs: RankState) -> str:
-    """``cpu`` or ``cuda:0 NVIDIA H100 · 1.2 GiB used``."""
+def device_label(rs: RankState) -> str:
+    """``cpu`` or ``cuda:0 NVIDIA H100``."""
     if not str(rs.device).startswith("cuda"):
         return str(rs.device)
-    mem = f" · {_bytes(rs.memory_used)} used" if rs.memory_used is not None else ""
-    return f"{rs.device} {rs.device_name}{mem}"
+    return f"{rs.device} {rs.device_name}"
+
+
+def usage_text(rs: RankState) -> str:
+    """What the rank uses now, from its telemetry: ``12.1 GiB of 79.6 GiB · util 87%`` on a
+    GPU, ``RSS 310.2 MiB · CPU 98%`` on a CPU; empty for a rank that is gone or not reported."""
+    if rs.state in ("dead", "stopped"):  # the last numbers would be stale
+        return ""
+    parts = []
+    if str(rs.device).startswith("cuda"):
+        if rs.memory_used is not None:
+            total = f" of {_bytes(rs.memory_total)}" if rs.memory_total else " used"
+            parts.append(f"{_bytes(rs.memory_used)}{total}")
+        if rs.gpu_util is not None:
+            parts.append(f"util {rs.gpu_util:.0f}%")
+    else:
+        if rs.rss is not None:
+            parts.append(f"RSS {_bytes(rs.rss)}")
+        if rs.cpu_percent is not None:
+            parts.append(f"CPU {rs.cpu_percent:.0f}%")
+    return " · ".join(parts)
+
+
+def device_text(rs: RankState) -> str:
+    """``cpu · RSS 310.2 MiB · CPU 98%`` or ``cuda:0 NVIDIA H100 · 1.2 GiB of 79.6 GiB``."""
+    return " · ".join(part for part in (device_label(rs), usage_text(rs)) if part)
 
 
 def state_text(rs: RankState, busy_for: float | None = None) -> str:
@@ -508,7 +533,8 @@ def status_tile_html(
         f"{_esc(state_text(rs, busy_for))}</span>"
         f"<b>rank {rs.rank}</b> &nbsp;{_esc(coords_label(rs.coords, layout))}<br>"
         f'<span class="infini-muted">{_esc(rs.host)} · pid {rs.pid}</span><br>'
-        f"{_esc(device_text(rs))}</div>"
+        f"{_esc(device_label(rs))}<br>"
+        f'<span class="infini-usage">{_esc(usage_text(rs))}</span></div>'
     )
 
 

@@ -150,7 +150,7 @@ def fake_state(rank: int, state: str = "idle", **kw) -> RankState:
 def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     gpu = fake_state(1, "busy", device="cuda:0", device_name="NVIDIA H100", memory_used=3 << 30)
     tile = viz.status_tile_html(gpu, ParallelLayout(4, tp=2))
-    assert "infini-state-busy" in tile and "NVIDIA H100 · 3.0 GiB used" in tile
+    assert "infini-state-busy" in tile and "NVIDIA H100<br>" in tile and "3.0 GiB used" in tile
     assert "rank 1" in tile and "tp1 dp0" in tile and "pid 101" in tile
     dead = viz.status_tile_html(fake_state(2, "dead", exit_code=-9))
     assert "dead (exit -9)" in dead and viz.STATE_COLORS["dead"] in dead
@@ -162,6 +162,43 @@ def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     assert viz.status_summary(stuck) == "4 ranks: 1 busy, 2 stuck, 1 dead"
     text = viz.status_text(states, ParallelLayout(4, tp=2))
     assert re.search(r"3\s+error\s+tp1 dp1\s+node0\s+103\s+cpu", text)
+
+
+def test_tiles_show_live_usage_gpu_memory_and_util_or_rss_and_cpu():
+    gpu = fake_state(
+        0,
+        "busy",
+        device="cuda:0",
+        device_name="NVIDIA H100",
+        memory_used=12 << 30,
+        memory_total=80 << 30,
+        gpu_util=87,
+        rss=2 << 30,
+        cpu_percent=100.0,
+    )
+    assert viz.usage_text(gpu) == "12.0 GiB of 80.0 GiB · util 87%"
+    tile = viz.status_tile_html(gpu)
+    assert "cuda:0 NVIDIA H100<br>" in tile and "12.0 GiB of 80.0 GiB · util 87%" in tile
+    no_nvml = fake_state(0, device="cuda:0", memory_used=1 << 30, memory_total=80 << 30)
+    assert viz.usage_text(no_nvml) == "1.0 GiB of 80.0 GiB"
+    cpu = fake_state(1, "busy", rss=310 << 20, cpu_percent=98.4)
+    assert viz.usage_text(cpu) == "RSS 310.0 MiB · CPU 98%"
+    assert viz.device_text(cpu) == "cpu · RSS 310.0 MiB · CPU 98%"
+    assert "RSS 310.0 MiB · CPU 98%" in viz.status_tile_html(cpu)
+    assert re.search(r"1\s+busy\s+.*cpu · RSS 310.0 MiB · CPU 98%", viz.status_text([cpu]))
+    assert viz.device_text(fake_state(2)) == "cpu"  # not reported yet: nothing made up
+    for gone in ("dead", "stopped"):  # the last numbers would be stale
+        assert viz.usage_text(fake_state(3, gone, rss=1 << 30, cpu_percent=50.0)) == ""
+
+
+def test_telemetry_snapshot_keeps_known_numbers_only():
+    from infini_notebook import engine
+
+    raw = b'{"rss": 1024, "cpu_percent": 97.5, "gpu_util": true, "evil": 1, "memory_used": "x"}'
+    assert engine.parse_telemetry(raw) == {"rss": 1024, "cpu_percent": 97.5}
+    assert engine.parse_telemetry(b"not json") == {}
+    assert engine.parse_telemetry(b"[1, 2]") == {}
+    assert set(engine.TELEMETRY_FIELDS) <= set(RankState.__dataclass_fields__)
 
 
 def test_status_widget_follows_a_running_cell(session4):
@@ -185,6 +222,38 @@ def test_status_widget_follows_a_running_cell(session4):
         widget.close()
     assert not widget.live
     assert not [t for t in threading.enumerate() if t.name == "infini-status"]
+
+
+def test_status_shows_rss_and_cpu_rising_while_a_cell_runs(session4):
+    def status(r):
+        return session4.status()[r]
+
+    assert wait_for(lambda: all(rs.rss for rs in session4.status()), 10), session4.status()
+    before = status(0).rss
+    widget = viz.StatusWidget(session4, interval=0.2)
+    # rank 0 fills 200 MB and holds it; rank 1 spins in a busy loop; both for a while
+    code = (
+        "import time\nif rank == 0:\n    held_block = torch.ones(50_000_000)\n"
+        "    time.sleep(8)\nelse:\n    t0 = time.time()\n    while time.time() - t0 < 8:\n"
+        "        pass"
+    )
+    cell = threading.Thread(
+        target=session4.run, args=(code,), kwargs={"ranks": [0, 1], "echo": False}
+    )
+    cell.start()
+    try:
+        grew = wait_for(lambda: status(0).rss - before > 150 << 20, 7)
+        spun = wait_for(lambda: status(1).cpu_percent >= 40, 7)
+        still_running = cell.is_alive()
+        seen = [status(r) for r in (0, 1)]
+        tiles = [widget.tiles[r].value for r in (0, 1)]
+    finally:
+        widget.close()
+        cell.join(60)
+        session4.run("held_block = None", ranks=[0], echo=False)
+    assert grew and spun and still_running, seen
+    assert [rs.state for rs in seen] == ["busy", "busy"]
+    assert "RSS " in tiles[0] and "CPU " in tiles[1]
 
 
 def test_session_value_shows_status_with_fallbacks(session4):

@@ -118,10 +118,15 @@ CELLS = [
     ## Status and stop
 
     `%dist_status` shows a tile per rank: its process, device, coordinates in the layout and
-    state (idle, busy, error, dead), updated live while cells run. `%dist_stop` ends every
-    process the session started (kernel shutdown and restart do too, even a killed kernel).
-    Next: `02_parallel_groups` for tp, pp, dp and the rank grid.
+    state (idle, busy, error, dead), and what the rank uses now (RSS and CPU % on a CPU rank;
+    GPU memory used of total and utilization on a GPU rank), updated live while cells run.
+    `%dist_stop` ends every process the session started (kernel shutdown and restart do too,
+    even a killed kernel). Next: `02_parallel_groups` for tp, pp, dp and the rank grid.
     """),
     code("%dist_status"),
+    code("""
+    for r in dist_session.status():  # the same numbers as values: bytes, percent of a core
+        print(f"rank {r.rank}: {r.state}, RSS {r.rss / 2**20:.0f} MiB, CPU {r.cpu_percent:.0f}%")
+    """),
     code("%dist_stop"),
 ]
