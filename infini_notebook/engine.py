@@ -21,6 +21,7 @@ from typing import Any
 # restarts (each attempt gets its own PrefixStore), the stack file stays open for faulthandler.
 _STATE: dict[str, Any] = {}
 
+
 def user_namespace() -> dict:
     """The namespace ``%%dist`` cells run in (the engine's IPython shell)."""
     from IPython import get_ipython
