@@ -319,7 +319,7 @@ class Session:
             "master_port": self._store.port,
             "backend": self.plan.backend,
             "timeout": self.plan.timeout,
-            "gpu": self.plan.gpus[rank] if self.plan.gpus else None,
+            "cuda": self.plan.cuda_devices(rank),
             "threads": self.plan.threads_per_rank,
             "store": store,
             "attempt": self.attempt,

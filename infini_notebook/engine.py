@@ -24,16 +24,6 @@ from typing import Any
 # restarts (each attempt gets its own PrefixStore).
 _STATE: dict[str, Any] = {}
 
-TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
 
 def user_namespace() -> dict:
     """The namespace ``%%dist`` cells run in (the engine's IPython shell)."""
@@ -55,14 +45,29 @@ def bootstrap(cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    if cfg.get("gpu") is not None:
-        torch.cuda.set_device(0)  # the only GPU this engine sees
+    _install_env_rendezvous()
+    if cfg.get("cuda") is not None:
+        torch.cuda.set_device(_device(torch, cfg))  # cuda:LOCAL_RANK, as torchrun code expects
     _install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
 
 
 def _set_environment(cfg: dict) -> None:
+    env = engine_environment(cfg)
+    if cfg.get("loopback_only") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = _loopback_interface()
+        if iface:  # gloo listens where the hostname resolves, maybe a public address
+            env["GLOO_SOCKET_IFNAME"] = iface
+    os.environ.update(env)
+    _STATE["cfg"] = cfg
+
+
+def engine_environment(cfg: dict) -> dict[str, str]:
+    """The variables a rank gets: torchrun's, the layout's (what ``init_parallel_groups()``
+    reads) and the visible GPUs. Pure, from the kernel's ``cfg``."""
+    from .groups import ParallelLayout
+
     env = {
         "RANK": cfg["rank"],
         "LOCAL_RANK": cfg["local_rank"],
@@ -71,17 +76,16 @@ def _set_environment(cfg: dict) -> None:
         "GROUP_RANK": cfg["group_rank"],
         "MASTER_ADDR": cfg["master_addr"],
         "MASTER_PORT": cfg["master_port"],
+        # The kernel hosts the store on MASTER_PORT, as torchrun's agent does: a user's own
+        # init_process_group("env://") then connects to it instead of trying to host one there.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": cfg["attempt"],
         "OMP_NUM_THREADS": cfg["threads"],
+        **ParallelLayout(**cfg["layout"]).to_env(),
     }
-    if cfg.get("gpu") is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cfg["gpu"]
-    if cfg.get("loopback_only") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        iface = _loopback_interface()
-        if iface:  # gloo listens where the hostname resolves, maybe a public address
-            env["GLOO_SOCKET_IFNAME"] = iface
-    for key, value in env.items():
-        os.environ[key] = str(value)
-    _STATE["cfg"] = cfg
+    if cfg.get("cuda") is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg["cuda"][0]
+    return {key: str(value) for key, value in env.items()}
 
 
 def _loopback_interface() -> str | None:
@@ -94,7 +98,8 @@ def _loopback_interface() -> str | None:
 
 
 def _device(torch, cfg: dict):
-    return torch.device("cuda", 0) if cfg.get("gpu") is not None else torch.device("cpu")
+    cuda = cfg.get("cuda")
+    return torch.device("cuda", cuda[1]) if cuda is not None else torch.device("cpu")
 
 
 def init_distributed(cfg: dict) -> None:
@@ -117,11 +122,12 @@ def init_distributed(cfg: dict) -> None:
         device_id=device if device.type == "cuda" else None,
     )
     ns = user_namespace()
-    ns.update(rank_namespace(ParallelLayout(**cfg["layout"]), device, cfg["local_rank"]))
+    layout = ParallelLayout(**cfg["layout"])
+    ns.update(rank_namespace(layout, device, cfg["local_rank"], timeout=timeout))
     _STATE["groups"] = ns["groups"]
 
 
-def rank_namespace(layout, device, local_rank: int) -> dict:
+def rank_namespace(layout, device, local_rank: int, timeout=None) -> dict:
     """The names a ``%%dist`` cell sees: torch, dist, rank, world_size, local_rank, device,
     groups, mesh, layout. Builds the parallel groups (collective: every rank calls it, after
     ``dist.init_process_group``). Engines and ``torchrun_namespace`` both use it."""
@@ -130,7 +136,7 @@ def rank_namespace(layout, device, local_rank: int) -> dict:
 
     from .groups import init_parallel_groups
 
-    groups = init_parallel_groups(layout)
+    groups = init_parallel_groups(layout, timeout=timeout)  # every group, not only the world
     return {
         "torch": torch,
         "dist": dist,
@@ -226,6 +232,35 @@ def label_streams(label: str) -> None:
         atexit.register(stream.finish)
 
 
+def _install_env_rendezvous() -> None:
+    """A user's own ``init_process_group("env://")`` in a cell gets fresh store keys each time.
+
+    With TORCHELASTIC_USE_AGENT_STORE torch uses the kernel's store with bare keys, so a second
+    destroy and re-init (in one cell, or after a %dist_restart) would read the first one's
+    stale gloo/nccl addresses and hang. Prefixing each init by (attempt, count) keeps ranks in
+    step: every rank re-inits the same number of times, and a restart starts the count over.
+    torch has no public way to replace a scheme's handler, hence its registry."""
+    import importlib
+
+    from torch.distributed import PrefixStore
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the name is a function too
+    torch_env = rdzv._rendezvous_handlers.get("env")
+    if torch_env is None or getattr(torch_env, "_infini", False):
+        return
+
+    def env_handler(url: str, **kwargs):
+        store, rank, world_size = next(torch_env(url, **kwargs))
+        attempt = _STATE["cfg"]["attempt"]
+        counts = _STATE.setdefault("user_inits", {})
+        counts[attempt] = n = counts.get(attempt, 0) + 1
+        yield PrefixStore(f"user/attempt_{attempt}/init_{n}", store), rank, world_size
+        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+    env_handler._infini = True
+    rdzv._rendezvous_handlers["env"] = env_handler
+
+
 def _base_store(cfg: dict, timeout: timedelta):
     """The store every attempt shares: a client of the kernel's TCPStore, or a FileStore."""
     import torch.distributed as dist
@@ -258,7 +293,7 @@ def teardown_distributed() -> bool:
 
 def reinit_distributed(attempt: int) -> dict:
     cfg = dict(_STATE["cfg"], attempt=attempt)
-    _STATE["cfg"] = cfg
+    _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
     teardown_distributed()
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
@@ -408,7 +443,8 @@ def _install_telemetry(cfg: dict) -> None:
     """Publish this rank's resource use (RSS, CPU %, GPU memory and utilization) through the
     kernel's TCPStore from a thread of our own, so it stays fresh while a cell runs (also on
     another host). Its own store client: the stack thread's sits in a long wait."""
-    rank, gpu = cfg["rank"], cfg.get("gpu") is not None
+    rank = cfg["rank"]
+    gpu = cfg["cuda"][1] if cfg.get("cuda") is not None else None  # device index: LOCAL_RANK
 
     def publish() -> None:
         import psutil
@@ -434,17 +470,17 @@ def _install_telemetry(cfg: dict) -> None:
     threading.Thread(target=publish, name="infini-telemetry", daemon=True).start()
 
 
-def _snapshot(proc, gpu: bool) -> dict:
+def _snapshot(proc, gpu: int | None) -> dict:
     """This process's RSS and CPU % (100 = one core), and on a GPU rank the device's memory
     in use and total (every process on it, as nvidia-smi counts) and its utilization."""
     snap = {"rss": proc.memory_info().rss, "cpu_percent": proc.cpu_percent(None)}
-    if gpu:
+    if gpu is not None:
         import torch
 
-        free, total = torch.cuda.mem_get_info(0)
+        free, total = torch.cuda.mem_get_info(gpu)
         snap.update(memory_used=total - free, memory_total=total)
         try:  # needs nvidia-ml-py; torch maps our CUDA_VISIBLE_DEVICES to NVML's index
-            snap["gpu_util"] = torch.cuda.utilization(0)
+            snap["gpu_util"] = torch.cuda.utilization(gpu)
         except Exception:
             pass
     return snap

@@ -24,6 +24,7 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from functools import cached_property
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
@@ -122,6 +123,14 @@ class ParallelLayout:
         zero1 = _env_int(env, "ZERO1_SIZE") if env.get("ZERO1_SIZE") else None
         order = env.get("PARALLEL_ORDER") or DEFAULT_ORDER
         return cls(world_size, order=order, zero1=zero1, **sizes)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables ``from_env`` reads (not WORLD_SIZE, which torchrun sets), so a process
+        that exports them and calls ``init_parallel_groups()`` gets this layout back."""
+        env = {var: str(getattr(self, d)) for d, var in ENV_SIZES.items()}
+        env["PARALLEL_ORDER"] = self.order
+        env["ZERO1_SIZE"] = str(self.zero1) if self.zero1 is not None else ""
+        return env
 
     # ---- sizes and coordinates
 
@@ -312,7 +321,9 @@ class ParallelGroups:
     (``get`` of a kind not built at init, ``get_group``), as with ``dist.new_group``.
     """
 
-    def __init__(self, layout: ParallelLayout, *, cpu: bool = False) -> None:
+    def __init__(
+        self, layout: ParallelLayout, *, cpu: bool = False, timeout: timedelta | None = None
+    ) -> None:
         import torch.distributed as dist
 
         if layout.world_size != dist.get_world_size():
@@ -335,6 +346,7 @@ class ParallelGroups:
         self._created: list[Any] = []
         self._cpu_twins: dict[frozenset[int], Any] = {}
         self._cpu = cpu
+        self.timeout = timeout  # every group's collective timeout; None: torch's default
         self._local_ok = False  # member-only creation allowed (set during a symmetric init)
         self._mode = "split" if _can_split() else "new_group"
 
@@ -484,10 +496,15 @@ class ParallelGroups:
 
     @classmethod
     def build(
-        cls, layout: ParallelLayout, *, cpu: bool = False, kinds: Iterable[str] = DEFAULT_KINDS
+        cls,
+        layout: ParallelLayout,
+        *,
+        cpu: bool = False,
+        kinds: Iterable[str] = DEFAULT_KINDS,
+        timeout: timedelta | None = None,
     ) -> ParallelGroups:
         """Build a new set of groups (collective, no memo); ``init_parallel_groups`` memoizes."""
-        groups = cls(layout, cpu=cpu)
+        groups = cls(layout, cpu=cpu, timeout=timeout)
         with groups._lock:
             groups._build(tuple(layout.normalize_kind(k) for k in kinds))
         return groups
@@ -542,15 +559,17 @@ class ParallelGroups:
         if self._mode == "split" and whole_partition and _covers_world(partition):
             self.creation_calls += 1
             self.how[label] = "split_group"
-            return dist.split_group(split_ranks=partition, group_desc=desc)
+            return dist.split_group(split_ranks=partition, timeout=self.timeout, group_desc=desc)
         if self._local_ok and whole_partition:
             self.creation_calls += 1
             self.how[label] = "new_group (members only)" if len(mine) > 1 else "self group"
-            return dist.new_group(mine, use_local_synchronization=True, group_desc=desc)
+            return dist.new_group(
+                mine, timeout=self.timeout, use_local_synchronization=True, group_desc=desc
+            )
         pg = None
         for g in partition:  # torch's rule: every rank enters every group's creation
             self.creation_calls += 1
-            made = dist.new_group(g, group_desc=desc)
+            made = dist.new_group(g, timeout=self.timeout, group_desc=desc)
             if self.rank in g:
                 pg = made
         self.how[label] = f"new_group x{len(partition)}"
@@ -562,14 +581,20 @@ class ParallelGroups:
         if self._local_ok and len(ranks) < dist.get_world_size():
             self.creation_calls += 1
             pg = dist.new_group(
-                ranks, backend="gloo", use_local_synchronization=True, group_desc=f"inb_cpu_{kind}"
+                ranks,
+                backend="gloo",
+                timeout=self.timeout,
+                use_local_synchronization=True,
+                group_desc=f"inb_cpu_{kind}",
             )
             self._created.append(pg)
             return pg
         mine = None
         for g in self.layout.groups(kind):  # every rank enters every group's creation
             self.creation_calls += 1
-            made = dist.new_group(g, backend="gloo", group_desc=f"inb_cpu_{kind}")
+            made = dist.new_group(
+                g, backend="gloo", timeout=self.timeout, group_desc=f"inb_cpu_{kind}"
+            )
             if self.rank in g:
                 mine = made
                 self._created.append(made)
@@ -586,13 +611,17 @@ def init_parallel_groups(
     *,
     cpu: bool = False,
     kinds: Iterable[str] = DEFAULT_KINDS,
+    timeout: timedelta | float | None = None,
 ) -> ParallelGroups:
     """Build this rank's groups and DeviceMesh; call on every rank after init_process_group.
 
     ``layout`` defaults to ``ParallelLayout.from_env`` (TP_SIZE, CP_SIZE, PP_SIZE, ...), so a
     torchrun script needs no arguments. ``kinds`` are built now; other kinds on first
     ``get``. ``cpu=True`` adds gloo twins (``cpu_group(kind)``) when the backend is not gloo.
-    Calling it again with the same layout returns the same object.
+    ``timeout`` (a timedelta or seconds) is every group's collective timeout; it defaults to
+    the default group's, as given to ``init_process_group``, where torch alone would give
+    subgroups its own 10 or 30 minutes. Calling it again with the same arguments returns the
+    same object.
     """
     import torch.distributed as dist
 
@@ -606,11 +635,12 @@ def init_parallel_groups(
     elif isinstance(layout, Mapping):
         layout = ParallelLayout.from_dict(layout)
     kinds = tuple(layout.normalize_kind(k) for k in kinds)
-    key = (layout, id(dist.group.WORLD), cpu, kinds)
+    timeout = _as_timedelta(timeout) if timeout is not None else group_timeout()
+    key = (layout, id(dist.group.WORLD), cpu, kinds, timeout)
     with _ACTIVE_LOCK:
         if key in _ACTIVE:
             return _ACTIVE[key]
-        groups = ParallelGroups.build(layout, cpu=cpu, kinds=kinds)
+        groups = ParallelGroups.build(layout, cpu=cpu, kinds=kinds, timeout=timeout)
         _ACTIVE[key] = groups
         log.info("parallel groups: %s, %d creation calls", layout.describe(), groups.creation_calls)
         return groups
@@ -621,6 +651,29 @@ def _forget(groups: ParallelGroups) -> None:
         for key, value in list(_ACTIVE.items()):
             if value is groups:
                 del _ACTIVE[key]
+
+
+def group_timeout(pg: ProcessGroup | None = None) -> timedelta | None:
+    """``pg``'s collective timeout (default: the world's, as init_process_group was given);
+    None when its backend does not say, and torch's default then applies."""
+    import torch
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD if pg is None else pg
+    for device in ("cuda", "cpu"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or one without options
+            continue
+    return None
+
+
+def _as_timedelta(timeout: timedelta | float) -> timedelta:
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a timedelta or positive seconds, got {timeout!r}.")
+    return timedelta(seconds=timeout)
 
 
 def _can_split() -> bool:

@@ -90,6 +90,17 @@ class SessionPlan:
     def device_kind(self) -> str:
         return "cuda" if self.gpus else "cpu"
 
+    def cuda_devices(self, rank: int) -> tuple[str, int] | None:
+        """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU. As under torchrun,
+        a rank sees every GPU its node's ranks use, in LOCAL_RANK order, so its own GPU is
+        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged."""
+        if not self.gpus:
+            return None
+        places = self.placement.rank_places(self.world_size)
+        node, local_rank, _ = places[rank]
+        on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
+        return ",".join(gpu for _, gpu in on_node), local_rank
+
 
 def parse_init_method(text: str | None, bind_address: str = "127.0.0.1") -> InitMethod:
     """``env://`` (default), ``tcp://HOST:PORT`` or ``file:///ABS/PATH``."""

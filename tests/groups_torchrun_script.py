@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from infini_notebook.groups import ParallelLayout, init_parallel_groups
+from infini_notebook.groups import ParallelLayout, group_timeout, init_parallel_groups
+
+INIT_TIMEOUT = timedelta(seconds=123)  # not torch's default: every group must inherit it
 
 
 def check_group(pg: dist.ProcessGroup, members: list[int], rank: int, what: str) -> None:
@@ -27,7 +30,7 @@ def check_group(pg: dist.ProcessGroup, members: list[int], rank: int, what: str)
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=INIT_TIMEOUT)
     rank = dist.get_rank()
     if os.environ.get("ASYMMETRIC"):  # a user group before ours: only 0 and 1 register it
         dist.new_group([0, 1])
@@ -91,8 +94,18 @@ def main() -> None:
     else:
         assert pg is None
 
+    built = {kind: groups.get(kind) for kind in layout.kinds()} | {"ad-hoc": pg}
+    if layout.zero1:
+        built["zero1"] = groups.zero1
+    timeouts = {k: group_timeout(g).total_seconds() for k, g in built.items() if g is not None}
+
     dist.barrier()
-    summary = {"calls_at_init": calls_at_init, "how": groups.how, "mesh": list(layout.dims[::-1])}
+    summary = {
+        "calls_at_init": calls_at_init,
+        "how": groups.how,
+        "mesh": list(layout.dims[::-1]),
+        "timeouts": timeouts,
+    }
     print(f"OK rank {rank} {json.dumps(summary)}", flush=True)
     if rank == 0 and os.environ.get("SHOW_REPR"):
         print(repr(groups), flush=True)

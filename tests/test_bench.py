@@ -221,18 +221,31 @@ def test_dist_bench_magic_in_a_kernel(kernel):
 
 GPU_SCRIPT = textwrap.dedent(
     """
+    import sys
     import infini_notebook
     from infini_notebook import bench
 
-    session = infini_notebook.start(gpus=1)
+    gpus = int(sys.argv[1])
+    session = infini_notebook.start(gpus=gpus)
     try:
         assert session.plan.backend == "nccl", session.plan.backend
         df = bench.run_bench(session, "all", "world", "4K:1M", iters=5, warmup=2,
                              check=True, progress=False)
         assert df.attrs["timer"] == "cuda_event", df.attrs
-        assert len(df) == 7 * 9 and (df["wrong"] == 0).all(), df
+        assert len(df) == 7 * 9 and (df["wrong"] == 0).all(), df  # values checked per rank
         assert (df["time_us"] > 0).all()
         print(bench.format_table(df))
+        # the CUDA-event timer on a copy of known size: 256 MiB read + written 10 times
+        session.run(
+            "from infini_notebook import bench\n"
+            "src = torch.ones(64 << 20, device=device); dst = torch.empty_like(src)\n"
+            "secs, timer = bench._timed(torch, dist, lambda: dst.copy_(src), 10, "
+            "dist.group.WORLD, device, False)\n"
+            "copy = (timer, secs, 2 * src.nbytes * 10 / secs)"
+        )
+        for rank, (timer, secs, bytes_per_s) in session.pull("copy").items():
+            assert timer == "cuda_event" and secs > 0, (rank, timer, secs)
+            assert 1e9 < bytes_per_s < 2e13, (rank, bytes_per_s)  # 1 GB/s .. 20 TB/s
         print("GPU-BENCH-OK")
     finally:
         session.stop()
@@ -240,21 +253,28 @@ GPU_SCRIPT = textwrap.dedent(
 )
 
 
-def _cuda_available() -> bool:
+def _cuda_count() -> int:
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
-        return False
+        return 0
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_available(), reason="needs CUDA")
-def test_gpu_sweep_with_cuda_events():
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        1,
+        pytest.param(2, marks=pytest.mark.skipif(_cuda_count() < 2, reason="needs 2 GPUs")),
+    ],
+)
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs CUDA")
+def test_gpu_sweep_with_cuda_events(gpus):
     # A process of its own: one session per process, and session4 may be alive in this one.
     proc = subprocess.run(
-        [sys.executable, "-c", GPU_SCRIPT],
+        [sys.executable, "-c", GPU_SCRIPT, str(gpus)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,

@@ -1,7 +1,10 @@
-"""GPU path: one rank per GPU on nccl. Skips cleanly where CUDA is absent (as in CI)."""
+"""GPU path: one rank per GPU on nccl, torchrun-style code unchanged (each rank sees its node's
+GPUs and owns cuda:LOCAL_RANK). Skips cleanly where CUDA is absent (as in CI); the multi-rank
+test needs 2 GPUs, since on one rank an all_reduce proves nothing."""
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 
@@ -11,24 +14,73 @@ from conftest import text_of
 
 from infini_notebook import engine
 
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(N_GPUS < 1, reason="needs CUDA"),
 ]
 
+# What torchrun code does first, then facts only a correctly pinned rank gets right.
+TORCHRUN_STYLE = """%%dist
+import os
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+x = torch.full((4,), float(rank + 1), device=f"cuda:{local}")
+dist.all_reduce(x)
+facts = dict(
+    backend=str(dist.get_backend()),
+    device=str(device),
+    local=local,
+    current=torch.cuda.current_device(),
+    on=str(x.device),
+    visible=os.environ["CUDA_VISIBLE_DEVICES"],
+    count=torch.cuda.device_count(),
+    local_world=int(os.environ["LOCAL_WORLD_SIZE"]),
+    uuid=str(torch.cuda.get_device_properties(device).uuid),
+    value=x[0].item(),
+)
+print(facts)
+"""
 
-def test_one_gpu_rank_on_nccl_all_reduces_a_cuda_tensor(kernel):
-    kernel.run("%dist_start --gpus 1 --timeout 60", timeout=300)
-    out = text_of(
-        kernel.run(
-            "%%dist\nx = torch.ones(4, device=device) * 3\ndist.all_reduce(x)\n"
-            "print(dist.get_backend(), x.device.type, x.sum().item())"
-        )
-    )
-    assert "[rank 0] nccl cuda 12.0" in out
-    status = text_of(kernel.run("%dist_status"))
-    assert "cuda" in status
-    kernel.run("%dist_stop")
+
+def facts_of(out: str) -> dict[int, dict]:
+    facts = {}
+    for line in out.splitlines():
+        if line.startswith("[rank "):
+            label, _, rest = line.partition("] ")
+            facts[int(label[6:])] = ast.literal_eval(rest)
+    return facts
+
+
+def run_torchrun_style(kernel, gpus: int) -> dict[int, dict]:
+    kernel.run(f"%dist_start --gpus {gpus} --timeout 60", timeout=300)
+    try:
+        facts = facts_of(text_of(kernel.run(TORCHRUN_STYLE, timeout=120), "stdout"))
+        assert "cuda" in text_of(kernel.run("%dist_status"))
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
+    assert sorted(facts) == list(range(gpus)), facts
+    for rank, f in facts.items():
+        assert f["backend"] == "nccl"
+        # single host: LOCAL_RANK is the rank, and cuda:LOCAL_RANK is this rank's device
+        assert f["local"] == rank and f["current"] == rank
+        assert f["device"] == f["on"] == f"cuda:{rank}"
+        assert f["count"] == f["local_world"] == gpus == len(f["visible"].split(","))
+        assert f["value"] == sum(range(1, gpus + 1))
+    return facts
+
+
+def test_one_gpu_rank_is_pinned_to_cuda_local_rank(kernel):
+    run_torchrun_style(kernel, 1)
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_reduce_across_distinct_gpus(kernel):
+    facts = run_torchrun_style(kernel, 2)
+    assert facts[0]["value"] == facts[1]["value"] == 3.0  # 1 + 2: both ranks took part
+    assert facts[0]["uuid"] != facts[1]["uuid"]  # two physical GPUs, not one shared
+    assert facts[0]["visible"] == facts[1]["visible"]  # same node, same list, as torchrun
 
 
 def test_status_shows_live_gpu_memory_while_a_cell_holds_it():

@@ -42,6 +42,8 @@ def test_torchrun_tp2_pp2_from_env():
         assert summary["calls_at_init"] == 7, summary
         assert summary["how"]["tp-dp-pp"] == "world (default group)"
         assert summary["how"]["cp-dp"] == "shared"  # cp is 1: the same ranks as dp
+        # every group, ad-hoc ones included, has init_process_group's timeout, not torch's
+        assert set(summary["timeouts"].values()) == {123.0}, summary["timeouts"]
 
 
 def test_torchrun_cp_ring_other_order_and_safe_fallback():
@@ -54,3 +56,4 @@ def test_torchrun_cp_ring_other_order_and_safe_fallback():
     results = torchrun(sizes)
     assert all(s["mesh"] == ["dp", "pp", "cp", "tp"] for s in results)
     assert all(s["how"]["cp"] == "new_group x4" for s in results)
+    assert all(set(s["timeouts"].values()) == {123.0} for s in results)

@@ -268,6 +268,17 @@ def test_from_env():
         ParallelLayout.from_env(env={"WORLD_SIZE": "8", "TP_SIZE": "two"})
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(8, tp=2, pp=2, order="tp-cp-pp-dp"), ParallelLayout(16, cp=2, zero1=2)],
+)
+def test_to_env_is_what_from_env_reads(layout):
+    env = {"WORLD_SIZE": str(layout.world_size), **layout.to_env()}
+    assert ParallelLayout.from_env(env=env) == layout
+    # a stale variable from the kernel's environment cannot leak into the layout
+    assert ParallelLayout.from_env(env={"ZERO1_SIZE": "4", **env}).zero1 == layout.zero1
+
+
 def test_layout_is_hashable_and_frozen():
     a, b = ParallelLayout(8, tp=2), ParallelLayout(8, tp=2, dp=4)
     a.groups("tp")  # the cache must not leak into equality or hashing

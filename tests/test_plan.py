@@ -79,6 +79,47 @@ def test_loopback_addresses():
     assert not is_loopback("node1")  # a name: may resolve to anything
 
 
+def test_each_rank_sees_its_nodes_gpus_and_its_own_is_cuda_local_rank():
+    # --gpus 2 on a node with GPUs 3, 5, 7 visible: ranks see the chosen two, in rank order
+    plan = make_plan(gpus=2, visible_gpus=["3", "5", "7"])
+    assert [plan.cuda_devices(r) for r in range(2)] == [("3,5", 0), ("3,5", 1)]
+    assert make_plan(nprocs=2, visible_gpus=["0"]).cuda_devices(1) is None  # CPU ranks
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_cuda_local_rank_is_the_ranks_gpu_on_every_node(slots, data):
+    hosts = ",".join(f"node{i}:{n}" for i, n in enumerate(slots))
+    plan = make_plan(launcher="ssh", hosts=hosts, gpus=1, bind_address="10.0.0.1")
+    places = plan.placement.rank_places(plan.world_size)
+    rank = data.draw(st.integers(0, plan.world_size - 1))
+    visible, index = plan.cuda_devices(rank)
+    node, local_rank, local_world = places[rank]
+    assert index == local_rank  # torch.cuda.set_device(LOCAL_RANK) picks this rank's GPU
+    assert visible.split(",")[index] == plan.gpus[rank]
+    assert len(visible.split(",")) == local_world == slots[node]
+
+
+def test_engine_environment_carries_torchrun_layout_and_gpu_variables():
+    from infini_notebook.engine import engine_environment
+    from infini_notebook.groups import ParallelLayout
+
+    plan = make_plan(gpus=4, visible_gpus=["1", "2", "3", "4"], layout={"tp": 2, "zero1": 1})
+    cfg = {
+        "rank": 3, "local_rank": 3, "world_size": 4, "local_world_size": 4, "group_rank": 0,
+        "master_addr": "127.0.0.1", "master_port": 4711, "threads": 1, "attempt": 2,
+        "layout": plan.layout, "cuda": plan.cuda_devices(3),
+    }  # fmt: skip
+    env = engine_environment(cfg)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2,3,4" and env["LOCAL_RANK"] == "3"
+    # init_parallel_groups() without arguments reads these back as the session's layout
+    assert ParallelLayout.from_env(env=env) == ParallelLayout(**plan.layout)
+    assert (env["TP_SIZE"], env["DP_SIZE"], env["ZERO1_SIZE"]) == ("2", "2", "1")
+    # a user's own env:// init connects to the kernel's store instead of hosting one
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in engine_environment({**cfg, "cuda": None})
+
+
 # ----- ranks -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "spec, ranks",
