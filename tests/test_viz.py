@@ -243,7 +243,8 @@ def test_status_shows_rss_and_cpu_rising_while_a_cell_runs(session4):
     cell.start()
     try:
         grew = wait_for(lambda: status(0).rss - before > 150 << 20, 7)
-        spun = wait_for(lambda: status(1).cpu_percent >= 40, 7)
+        # a busy loop shows clearly more CPU than an idle rank (the machine may be loaded)
+        spun = wait_for(lambda: status(1).cpu_percent >= max(15, status(2).cpu_percent + 10), 7)
         still_running = cell.is_alive()
         seen = [status(r) for r in (0, 1)]
         tiles = [widget.tiles[r].value for r in (0, 1)]
