@@ -434,6 +434,7 @@ class DistMagics(Magics):
     # ----- post-mortem --------------------------------------------------------------------
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="only these of the failed ranks (cell form)")
+    @argument("code", nargs="*", help="line form: the code to run (the cell form runs its body)")
     @line_cell_magic
     def dist_debug(self, line: str, cell: str | None = None):
         """Post-mortem: run code in the frame where the last cell failed (its locals and
@@ -441,10 +442,13 @@ class DistMagics(Magics):
         labeled per rank. Line form: %dist_debug print(x, y). Cell form:
         %%dist_debug [--ranks 1], with the code as the cell body.
         """
-        if cell is None:
+        if cell is None:  # all of the line is code: no flag parsing
             code, ranks = line, None
         else:
-            code, ranks = cell, parse_argstring(self.dist_debug, line).ranks
+            args = parse_argstring(self.dist_debug, line)
+            if args.code:
+                raise DistUsageError("%%dist_debug takes only --ranks; put the code in the cell.")
+            code, ranks = cell, args.ranks
         if not code.strip():
             raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
         _session().post_mortem(code, ranks)
