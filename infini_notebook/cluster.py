@@ -808,6 +808,39 @@ class Session:
         except Exception as e:  # ipyparallel could not serialize a value: nothing was sent
             raise DistUsageError(_unsendable_text(values, e)) from None
 
+    def post_mortem(
+        self, code: str, ranks: str | list[int] | None = None, *, echo: bool = True
+    ) -> dict[int, str]:
+        """Run ``code`` in the failing frame (its locals and globals) on each rank that failed
+        in the last cell, or on ``ranks`` of those; ``{rank: output}``, shown labeled."""
+        self._require_running()
+        targets = self._failed_ranks(ranks)
+        dead = self._dead_ranks(targets)
+        if dead:
+            raise DistUsageError(f"{_dead_text(dead)}: its frames are gone.")
+        out = self.apply(engine.post_mortem, code, ranks=targets, timeout=60)
+        if echo:
+            shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
+            _Printer(echo).out("".join(shown))
+        return out
+
+    def _failed_ranks(self, ranks: str | list[int] | None) -> list[int]:
+        """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""
+        failed = sorted(self.last.errors) if self.last is not None else []
+        if not failed:
+            raise DistUsageError(
+                "The last cell did not fail, so there is no failing frame to inspect. "
+                "Post-mortem works right after a %%dist cell that raised on some rank."
+            )
+        if ranks is None:
+            return failed
+        chosen = parse_ranks(ranks, self.world_size)
+        if not set(chosen) <= set(failed):
+            raise DistUsageError(
+                f"Only {rank_label(failed)[1:-1]} failed in the last cell; pick --ranks among them."
+            )
+        return chosen
+
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
         """Each rank's pid, device and state (idle, busy, error, dead)."""

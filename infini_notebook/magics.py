@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import cluster
@@ -47,6 +47,23 @@ class RankValues(dict):
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(rank_values_repr(self))
+
+
+AUTO_MARKER = "%%dist (auto)"  # first line of every cell auto mode sends to the ranks
+
+
+def auto_cell_lines(lines: list[str]) -> list[str]:
+    """IPython input transformer for auto mode: a plain cell becomes one call that runs it
+    through %%dist_auto; a cell whose first code line is a magic, a shell escape or help
+    (%dist_status, %dist_auto off, !ls) is left to run in the kernel."""
+    code = [line.lstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not code or code[0][0] in "%!?":
+        return lines
+    return [f"get_ipython().run_cell_magic('dist_auto', '', {''.join(lines)!r})\n"]
+
+
+# IPython's is-this-cell-complete check must see the user's code, not our one-line call.
+auto_cell_lines.has_side_effects = True
 
 
 @magics_class
@@ -179,6 +196,7 @@ class DistMagics(Magics):
         session.stop()
         self.shell.user_ns.pop("dist_session", None)
         print("Session stopped.")
+        self._auto_off("the session stopped")
 
     @magic_arguments()
     @argument("--hard", action="store_true", help="restart the engines (variables are lost)")
@@ -429,3 +447,72 @@ def _check_export_path(path: str, force: bool) -> None:
         raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
     if os.path.exists(path) and not force:
         raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")
+
+    # ----- auto mode ----------------------------------------------------------------------
+    @property
+    def _auto(self) -> bool:
+        return auto_cell_lines in self.shell.input_transformers_cleanup
+
+    def _auto_off(self, why: str = "") -> None:
+        if self._auto:
+            self.shell.input_transformers_cleanup.remove(auto_cell_lines)
+            print(f"Auto mode off{f' ({why})' if why else ''}: cells run in the kernel again.")
+
+    @magic_arguments()
+    @argument("state", nargs="?", choices=["on", "off"], help="on or off; none toggles")
+    @line_cell_magic
+    def dist_auto(self, line: str, cell: str | None = None):
+        """Auto mode: while on, every plain cell runs on all ranks as a %%dist cell (labeled
+        output, failures as DistCellError), its output headed by '%%dist (auto)'. Cells whose
+        first line is a magic (%dist_status, %dist_auto off) still run in the kernel. It
+        turns off by itself when the session stops. As a cell magic, %%dist_auto runs one
+        cell the way auto mode does.
+        """
+        if cell is not None:
+            return self._auto_cell(cell)
+        args = parse_argstring(self.dist_auto, line)
+        if args.state == "off" or (args.state is None and self._auto):
+            if not self._auto:
+                print("Auto mode is off: cells run in the kernel.")
+            self._auto_off()
+            return
+        session = _session()
+        if not self._auto:
+            self.shell.input_transformers_cleanup.append(auto_cell_lines)
+        print(
+            f"Auto mode on: plain cells run on all {session.world_size} ranks as %%dist cells; "
+            "cells that start with a magic run here. %dist_auto off to stop."
+        )
+
+    def _auto_cell(self, cell: str) -> None:
+        """One auto-mode cell: the marker, then the ordinary %%dist path."""
+        if cluster.current() is None:
+            self._auto_off("no session is running")
+            raise DistUsageError(
+                "No session is running, so this cell did not run. Start one with "
+                "%dist_start --nprocs 4."
+            )
+        print(AUTO_MARKER, flush=True)
+        self.dist("", cell)
+
+    # ----- post-mortem --------------------------------------------------------------------
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="only these of the failed ranks (cell form)")
+    @argument("code", nargs="*", help="line form: the code to run (the cell form runs its body)")
+    @line_cell_magic
+    def dist_debug(self, line: str, cell: str | None = None):
+        """Post-mortem: run code in the frame where the last cell failed (its locals and
+        globals, the innermost frame of your own code) on each rank that failed, output
+        labeled per rank. Line form: %dist_debug print(x, y). Cell form:
+        %%dist_debug [--ranks 1], with the code as the cell body.
+        """
+        if cell is None:  # all of the line is code: no flag parsing
+            code, ranks = line, None
+        else:
+            args = parse_argstring(self.dist_debug, line)
+            if args.code:
+                raise DistUsageError("%%dist_debug takes only --ranks; put the code in the cell.")
+            code, ranks = cell, args.ranks
+        if not code.strip():
+            raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
+        _session().post_mortem(code, ranks)

@@ -115,6 +115,20 @@ CELLS = [
     print(local * scale)
     """),
     md("""
+    ## Auto mode
+
+    Typing `%%dist` on top of every cell gets old. `%dist_auto on` makes every plain cell run
+    on all ranks as a `%%dist` cell (like ipyparallel's `%autopx`); each such cell's output
+    starts with `%%dist (auto)`, so you always see where it ran. Cells that start with a
+    magic (`%dist_status`, `%dist_auto off`) still run here in the notebook, and stopping
+    the session turns auto mode off by itself.
+    """),
+    code("%dist_auto on"),
+    code("""
+    print(f"rank {rank}: x = {x.tolist()}")
+    """),
+    code("%dist_auto off"),
+    md("""
     ## Status and stop
 
     `%dist_status` shows a tile per rank: its process, device, coordinates in the layout and

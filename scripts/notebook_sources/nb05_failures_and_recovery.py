@@ -55,6 +55,13 @@ CELLS = [
         "raises-exception",
     ),
     md("""
+    To look inside the failure, `%dist_debug CODE` runs code on each rank that failed in the
+    last cell, in the frame where it raised: the innermost frame of your own code, so inside
+    a function you wrote it sees that function's local variables. Only rank 2 failed here,
+    so only rank 2 answers (`%%dist_debug` takes several lines as a cell):
+    """),
+    code('%dist_debug print(f"rank {rank}: rank - 2 = {rank - 2}, keep = {keep}")'),
+    md("""
     Nothing else is damaged: no collective was involved, so the process groups are fine and
     the next cell just runs. `%dist_status` marks rank 2 as `error` until its next cell
     succeeds.
