@@ -438,16 +438,6 @@ class DistMagics(Magics):
             raise DistUsageError(f"Cannot write {path!r}: {e.strerror}.") from None
         print(result.summary(path))
 
-
-def _check_export_path(path: str, force: bool) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
-    if not os.path.isdir(folder):
-        raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
-    if os.path.exists(path) and not force:
-        raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")
-
     # ----- auto mode ----------------------------------------------------------------------
     @property
     def _auto(self) -> bool:
@@ -516,3 +506,13 @@ def _check_export_path(path: str, force: bool) -> None:
         if not code.strip():
             raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
         _session().post_mortem(code, ranks)
+
+
+def _check_export_path(path: str, force: bool) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
+    if not os.path.isdir(folder):
+        raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
+    if os.path.exists(path) and not force:
+        raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")
