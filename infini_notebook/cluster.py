@@ -419,13 +419,14 @@ class Session:
             except Exception:
                 pass
             self._client = None
+        engines = self._kill_engines()
         if self._cluster is not None:
-            try:
+            try:  # the controller and remote engines stop while ours die
                 self._in_loop(self._cluster.stop_cluster())
             except Exception as e:
                 log.warning("stopping the cluster: %s", e)
-            self._kill_leftovers()
             self._cluster = None
+        psutil.wait_procs(engines, timeout=5)
         self._pids = {}
 
     # ----- recovery -----------------------------------------------------------------------
@@ -519,16 +520,19 @@ class Session:
                 )
         return out
 
-    def _kill_leftovers(self) -> None:
-        """Engines the launcher could not stop: only the pids we recorded, checked by start
-        time, so a recycled pid is never touched."""
-        for proc in self._pids.values():
+    def _kill_engines(self) -> list[psutil.Process]:
+        """SIGKILL every local engine at once; returns them to wait for (their nannies exit
+        when they do). ipyparallel stops engines one after another with SIGTERM, and each
+        then spends about a second of CPU finalizing torch for nothing (it exits with status
+        1 anyway): stop took 11.6 s at 16 ranks. Only the pids we recorded, checked by start
+        time (a recycled pid is safe)."""
+        procs = list(self._pids.values())
+        for proc in procs:
             try:
-                if proc.is_running():
-                    proc.kill()
-                    proc.wait(5)
+                proc.kill()
             except psutil.Error:
                 pass
+        return procs
 
     # ----- running code -------------------------------------------------------------------
     def run(

@@ -121,6 +121,22 @@ def test_stop_leaves_no_process_running(kernel):
     assert "No session" in text_of(kernel.run("%%dist\n1", allow_error=True))
 
 
+def test_hard_restart_and_stop_end_every_process_they_started(kernel):
+    kernel.run("%dist_stop", allow_error=True)  # whatever an earlier test left running
+    kernel.run("%dist_start --nprocs 4", timeout=180)
+    first = kernel_children(kernel)
+    kernel.run("%dist_restart --hard", timeout=180)
+    assert psutil.wait_procs(first, timeout=15)[1] == []
+    out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4))
+    second = kernel_children(kernel)
+    assert len(second) >= 9  # controller, 4 engines and their nannies
+    stopped = kernel.run("%dist_stop")
+    assert psutil.wait_procs(second, timeout=15)[1] == []
+    assert text_of(stopped).strip() == "Session stopped."  # no warnings about killed engines
+    assert "No session" in text_of(kernel.run("%%dist\n1", allow_error=True))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
