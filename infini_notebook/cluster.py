@@ -127,7 +127,14 @@ class Session:
         self._cluster = None
         self._client = None
         self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
+        self._created = time.time()  # no process of ours is older
         self._lock = threading.Lock()
+        # ipyparallel's Client is not thread-safe, and the foreground cell, a --background
+        # cell's thread and the status widget's poller all use it: every call holds this.
+        self._client_lock = threading.RLock()
+        self._background: _Background | None = None
+        self._unpurged: list[str] = []  # msg ids of finished work, until purged
+        self._hub_purge_due = 0  # cells since the controller last dropped finished records
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
@@ -156,26 +163,43 @@ class Session:
         return self
 
     def _launch(self, progress: Progress | None) -> None:
-        """Engines up, ranks bootstrapped, watchdog armed (also what a hard restart redoes)."""
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
+        self._start_watchdog()
         self._start_engines(progress)
         self._bootstrap(progress)
-        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        self._start_watchdog(started)
 
-    def _start_watchdog(self, procs: list[psutil.Process]) -> None:
-        """A small process that ends ours if this kernel dies, even by SIGKILL."""
+    @property
+    def _profile_dir(self) -> str:
+        """ipyparallel puts this in every process it launches (IPP_PROFILE_DIR): it marks
+        the processes this session started, and only them (the folder is ours alone)."""
+        return os.path.join(self._workdir, "profile")
+
+    def _start_watchdog(self) -> None:
+        """A small process that ends ours if this kernel dies, even by SIGKILL. Started
+        before anything else, so a kernel killed while engines come up leaves nothing."""
         import subprocess
 
-        def tag(p: psutil.Process) -> str:
-            return f"{p.pid}:{p.create_time()}"
-
-        args = [tag(psutil.Process())] + [tag(p) for p in procs if _alive(p)]
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            return  # a hard restart keeps the session's watchdog
+        kernel = psutil.Process()
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "infini_notebook.watchdog", *args],
+            [
+                sys.executable,
+                "-m",
+                "infini_notebook.watchdog",
+                f"{kernel.pid}:{kernel.create_time()}",
+                self._profile_dir,
+                repr(self._created),
+            ],
             start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
             stdin=subprocess.DEVNULL,
         )
+
+    def _end_watchdog(self) -> None:
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            self._watchdog.terminate()
+            self._watchdog.wait(5)
+        self._watchdog = None
 
     @property
     def world_size(self) -> int:
@@ -224,7 +248,7 @@ class Session:
         from . import launchers
 
         self._cluster = ipp.Cluster(
-            **launchers.cluster_options(self.plan, os.path.join(self._workdir, "profile")),
+            **launchers.cluster_options(self.plan, self._profile_dir),
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
@@ -304,10 +328,11 @@ class Session:
         return os.path.join(self._workdir, f"stacks-rank{rank}.txt")
 
     def _bootstrap(self, progress: Progress | None = None) -> None:
-        pending = {
-            r: self._engine(r).apply_async(engine.bootstrap, self._engine_config(r))
-            for r in range(self.world_size)
-        }
+        configs = {r: self._engine_config(r) for r in range(self.world_size)}
+        with self._client_lock:
+            pending = {
+                r: self._engine(r).apply_async(engine.bootstrap, configs[r]) for r in configs
+            }
         if progress:  # the gather below reports errors; this only counts finished ranks
             while (done := sum(ar.ready() for ar in pending.values())) < self.world_size:
                 progress(done, self.world_size, "ranks initialised")
@@ -368,6 +393,7 @@ class Session:
         global _current
         self.running = False
         self._stop_processes()
+        self._end_watchdog()  # last: it covers a kernel killed while the rest stops
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
@@ -383,24 +409,23 @@ class Session:
             pass
 
     def _stop_processes(self) -> None:
-        """Engines and controller (the store stays: it is the kernel's)."""
-        if self._watchdog is not None and self._watchdog.poll() is None:
-            self._watchdog.terminate()
-            self._watchdog.wait(5)
-        self._watchdog = None
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:
-                pass
-            self._client = None
+        """Engines and controller (the store and the watchdog stay: a hard restart reuses
+        them)."""
+        with self._client_lock:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:
+                    pass
+                self._client = None
+            self._unpurged = []
         if self._cluster is not None:
             try:
                 self._in_loop(self._cluster.stop_cluster())
             except Exception as e:
                 log.warning("stopping the cluster: %s", e)
-            self._kill_leftovers()
             self._cluster = None
+        self._kill_leftovers()
         self._pids = {}
 
     # ----- recovery -----------------------------------------------------------------------
@@ -410,12 +435,11 @@ class Session:
         work (a rank is dead, or stuck in native code) says so and names --hard."""
         if self._cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
+        # A hard restart may end a background cell that was told to stop and did not.
+        self._refuse_beside_background("%dist_restart", unless_interrupted=hard)
         self.attempt += 1
         if hard:
-            self._stop_processes()
-            self._errored = set()
-            self._launch(progress)
-            self.running = True
+            self._restart_hard(progress)
             return
         self._require_running()
         dead = self._dead_ranks(range(self.world_size))
@@ -429,10 +453,11 @@ class Session:
                 f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
                 "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
             )
-        pending = {
-            r: self._engine(r).apply_async(engine.reinit_distributed, self.attempt)
-            for r in range(self.world_size)
-        }
+        with self._client_lock:
+            pending = {
+                r: self._engine(r).apply_async(engine.reinit_distributed, self.attempt)
+                for r in range(self.world_size)
+            }
         try:
             self._record_ranks(self._gather(pending, what="restart", timeout=60))
         except DistCellError as e:
@@ -440,6 +465,27 @@ class Session:
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
         self._errored = set()
+
+    def _restart_hard(self, progress: Progress | None) -> None:
+        """New engines; if they cannot come up, stop everything rather than leave half a
+        session running."""
+        self._stop_processes()
+        self._errored = set()
+        try:
+            self._launch(progress)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        except Exception as e:
+            self.stop()
+            why = e.summary if isinstance(e, DistCellError) else _one_line(e)
+            raise DistCellError(
+                f"Hard restart failed: {why}. The session is stopped and nothing is left "
+                "running; start a new one with %dist_start.",
+                getattr(e, "report", ""),
+                getattr(e, "ranks", []),
+            ) from None
+        self.running = True
 
     def _still_stuck(self) -> set[int]:
         """Ranks that ignored an interrupt, until their engine's queue drains."""
@@ -456,7 +502,8 @@ class Session:
 
     def _stuck_ranks(self) -> list[int]:
         """Ranks whose engine still has work queued or running."""
-        status = self._client.queue_status()
+        with self._client_lock:
+            status = self._client.queue_status()
         return [
             r for r in range(self.world_size) if status.get(self._eids[r], {}).get("queue", 0) > 0
         ]
@@ -480,15 +527,14 @@ class Session:
         return out
 
     def _kill_leftovers(self) -> None:
-        """Engines the launcher could not stop: only the pids we recorded, checked by start
-        time, so a recycled pid is never touched."""
-        for proc in self._pids.values():
-            try:
-                if proc.is_running():
-                    proc.kill()
-                    proc.wait(5)
-            except psutil.Error:
-                pass
+        """Processes the launcher could not stop (an engine, the controller after a failed
+        stop): the engines we recorded (psutil checks their start time, so a recycled pid is
+        never touched) and whatever else carries this session's mark."""
+        from .watchdog import end_all, session_processes
+
+        procs = {p.pid: p for p in self._pids.values()}
+        procs.update({p.pid: p for p in session_processes(self._profile_dir, self._created)})
+        end_all(list(procs.values()), grace=0)
 
     # ----- running code -------------------------------------------------------------------
     def run(
@@ -503,19 +549,28 @@ class Session:
     ) -> CellResult:
         """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives
         (on this cell's streams, or through ``printer``). Raises DistCellError (labeled
-        tracebacks) when any rank raised."""
+        tracebacks) when any rank raised, DistUsageError while a background cell runs."""
         self._require_running()
-        targets = parse_ranks(ranks, self.world_size)
+        self._refuse_beside_background("%%dist")
+        return self._run(
+            code,
+            parse_ranks(ranks, self.world_size),
+            collapse,
+            max_lines,
+            printer or _Printer(echo),
+        )
+
+    def _run(self, code: str, targets: list[int], collapse, max_lines, printer) -> CellResult:
         dead = self._dead_ranks(targets)
         if dead:
             raise DistUsageError(f"{_dead_text(dead)}. Run %dist_restart --hard first.")
         labeler = StreamLabeler(collapse=collapse)
         if max_lines:
             labeler.max_lines = max_lines
-        printer = printer or _Printer(echo)
         shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         t0 = time.perf_counter()
-        ar = self._view(targets).execute(code, silent=False, block=False)
+        with self._client_lock:
+            ar = self._view(targets).execute(code, silent=False, block=False)
         self._set_busy(targets, True)
         try:
             self._follow(ar, targets, labeler, printer, shown)
@@ -525,6 +580,7 @@ class Session:
         finally:
             self._set_busy(targets, False)
         result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
+        self._forget(ar.msg_ids, hub=False)
         self.last = result
         if result.errors:
             self._errored |= set(result.errors)
@@ -537,28 +593,57 @@ class Session:
         self, code: str, ranks: str | list[int] | None = None, *, printer: Printer, **kw
     ) -> threading.Thread:
         """``run`` on a thread, so the notebook stays free (for %dist_stacks, %dist_status)
-        while the ranks work. Output and errors go to ``printer``; the result to ``last``."""
+        while the ranks work. Output and errors go to ``printer``; the result to ``last``.
+        One at a time: other cells (and pull, push, bench, restart) are refused until it
+        ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
         self._require_running()
-        parse_ranks(ranks, self.world_size)  # refuse a bad spec now, not on the thread
+        self._refuse_beside_background("%%dist --background")
+        targets = parse_ranks(ranks, self.world_size)  # refuse a bad spec now
+        collapse, max_lines = kw.get("collapse", False), kw.get("max_lines")
 
         def work() -> None:
             try:
-                self.run(code, ranks, printer=printer, **kw)
+                self._run(code, targets, collapse, max_lines, printer)
             except DistCellError as e:
                 printer.err(f"{e.report}DistCellError: {e.summary}\n")
             except DistUsageError as e:
                 printer.err(f"DistUsageError: {e}\n")
+            except Exception as e:  # the session stopped under it, say
+                printer.err(f"The background cell ended: {_one_line(e)}\n")
 
         thread = threading.Thread(target=work, name="infini-background-cell", daemon=True)
+        self._background = _Background(thread, targets)
         thread.start()
         return thread
 
+    def _running_background(self) -> _Background | None:
+        bg = self._background
+        return bg if bg is not None and bg.thread.is_alive() else None
+
+    def _refuse_beside_background(self, what: str, unless_interrupted: bool = False) -> None:
+        """One background cell owns its ranks until it ends: anything else sent to the
+        engines would queue behind it (or, for a Stop button, interrupt it)."""
+        bg = self._running_background()
+        if bg is None or threading.current_thread() is bg.thread:
+            return
+        if unless_interrupted and bg.interrupted:
+            return
+        raise DistUsageError(
+            f"{what}: a background cell is running on {rank_label(bg.ranks)[1:-1]}; wait for "
+            "it, or stop it with %dist_interrupt."
+        )
+
     def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
-        """SIGINT the busy ranks (of ``ranks``): stops a background cell. Returns them."""
+        """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
+        and nothing else. Returns the ranks signalled."""
+        bg = self._running_background()
+        if bg is None:
+            return []
+        bg.interrupted = True
         with self._lock:
             busy = set(self._busy)
-        chosen = parse_ranks(ranks, self.world_size) if ranks is not None else sorted(busy)
-        targets = [r for r in chosen if r in busy]
+        chosen = parse_ranks(ranks, self.world_size) if ranks is not None else bg.ranks
+        targets = [r for r in chosen if r in busy and r in bg.ranks]
         self.signal(signal.SIGINT, targets)
         return targets
 
@@ -656,7 +741,9 @@ class Session:
             proc = self._pids.get(r)
             if proc is None:  # a remote engine: the controller knows when it is gone
                 if registered is None:
-                    registered = set(self._client.ids) if self._client is not None else set()
+                    with self._client_lock:
+                        client = self._client
+                        registered = set(client.ids) if client is not None else set()
                 if self._eids and self._eids[r] not in registered:
                     dead[r] = "its engine unregistered"
                 continue
@@ -689,8 +776,34 @@ class Session:
                     proc.send_signal(signum)
             except psutil.Error:
                 pass
-        if remote and self._client is not None:  # through each engine's ipyparallel nanny
-            self._client.send_signal(signum, targets=remote, block=False)
+        with self._client_lock:
+            if remote and self._client is not None:  # through each engine's nanny
+                self._client.send_signal(signum, targets=remote, block=False)
+
+    def _forget(self, msg_ids: list[str], hub: bool) -> None:
+        """Drop what ipyparallel keeps of finished work: the client's results, metadata and
+        history, and (every HUB_PURGE_EVERY cells, or when ``hub``) the controller's
+        records. Work still running (a rank that ignored an interrupt) is dropped later."""
+        with self._client_lock:
+            client = self._client
+            if client is None:
+                return
+            self._unpurged.extend(msg_ids)
+            done = [m for m in self._unpurged if m not in client.outstanding]
+            self._unpurged = [m for m in self._unpurged if m in client.outstanding]
+            gone = set(done)
+            client.purge_local_results(jobs=done)
+            client.history = [m for m in client.history if m not in gone]
+            self._hub_purge_due += 1
+            if hub or self._hub_purge_due >= HUB_PURGE_EVERY:
+                # A round trip (~1 ms): batched for cells. The controller learns that a
+                # task ended a little after the client does, so drop every finished record
+                # rather than this cell's, which may not count as finished there yet.
+                try:
+                    client.purge_hub_results(jobs="all")
+                    self._hub_purge_due = 0
+                except Exception as e:
+                    log.debug("controller purge: %s", e)
 
     def _set_busy(self, ranks, busy: bool) -> None:
         with self._lock:
@@ -708,11 +821,16 @@ class Session:
         The function runs in the engine process; ``engine.user_namespace()`` reaches the
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         self._require_running()
+        self._refuse_beside_background(getattr(fn, "__name__", "call"))
         targets = parse_ranks(ranks, self.world_size)
-        pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
+        with self._client_lock:
+            pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
         self._set_busy(targets, True)
         try:
-            return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
+            out = self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
+            # return values can be big (a pulled tensor): the controller keeps no copy
+            self._forget([m for ar in pending.values() for m in ar.msg_ids], hub=True)
+            return out
         except KeyboardInterrupt:
             self.signal(signal.SIGINT, targets)
             raise DistInterrupted(
@@ -769,6 +887,15 @@ class Session:
     def _require_running(self) -> None:
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+
+
+@dataclass
+class _Background:
+    """The background cell: its thread, its ranks, and whether %dist_interrupt was sent."""
+
+    thread: threading.Thread
+    ranks: list[int]
+    interrupted: bool = False
 
 
 class Printer(Protocol):
@@ -843,6 +970,7 @@ def _remote_traceback(e: BaseException) -> str:
 
 
 INTERRUPT_GRACE_S = 3.0
+HUB_PURGE_EVERY = 50  # cells between the controller's purges of finished records
 COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
 

@@ -147,10 +147,10 @@ class DistMagics(Magics):
             from . import viz
 
             printer = viz.OutputPrinter()
-            display(printer.widget)
-            session.run_background(
+            session.run_background(  # refuses before the widget shows, if it must
                 cell, ranks, printer=printer, collapse=args.collapse, max_lines=args.max_lines
             )
+            display(printer.widget)
             return
         session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
 
