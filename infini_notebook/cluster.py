@@ -134,7 +134,7 @@ class Session:
         self._client_lock = threading.RLock()
         self._background: _Background | None = None
         self._unpurged: list[str] = []  # msg ids of finished work, until purged
-        self._hub_purge_due = 0  # cells since the controller last dropped finished records
+        self._hub_purge_queued = False  # a purge of the controller's records is due soon
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._loop = None  # the event loop ipyparallel runs on (see _in_loop)
@@ -257,8 +257,13 @@ class Session:
             self._cluster.start_engines(self.world_size, **launchers.engine_options(self.plan))
         )
         self._client = self._in_loop(self._cluster.connect_client())
+        # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
+        # after some thousand cells. Messages travel on loopback or CurveZMQ.
+        self._client.session.digest_history_size = DIGEST_HISTORY
         self._wait_for_engines(progress)
-        identities = self._client[:].apply_async(engine.identity).get_dict(timeout=60)
+        ar = self._client[:].apply_async(engine.identity)
+        identities = ar.get_dict(timeout=60)
+        self._forget(ar.msg_ids)
         self._eids = launchers.assign_ranks(identities, self.plan)
 
     def _wait_for_engines(self, progress: Progress | None, timeout: float = 120) -> None:
@@ -380,6 +385,8 @@ class Session:
             except Exception as e:
                 errors[r] = _one_line(e)
                 tracebacks[r] = _remote_traceback(e)
+        # return values can be big (a pulled tensor): nothing here keeps a copy
+        self._forget([m for ar in pending.values() for m in ar.msg_ids])
         if errors:
             raise DistCellError(
                 f"{what} failed on {error_summary(errors, list(pending))}",
@@ -580,7 +587,7 @@ class Session:
         finally:
             self._set_busy(targets, False)
         result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
-        self._forget(ar.msg_ids, hub=False)
+        self._forget(ar.msg_ids)
         self.last = result
         if result.errors:
             self._errored |= set(result.errors)
@@ -780,30 +787,43 @@ class Session:
             if remote and self._client is not None:  # through each engine's nanny
                 self._client.send_signal(signum, targets=remote, block=False)
 
-    def _forget(self, msg_ids: list[str], hub: bool) -> None:
+    def _forget(self, msg_ids: list[str]) -> None:
         """Drop what ipyparallel keeps of finished work: the client's results, metadata and
-        history, and (every HUB_PURGE_EVERY cells, or when ``hub``) the controller's
-        records. Work still running (a rank that ignored an interrupt) is dropped later."""
+        history now, the controller's records soon after (see ``_purge_hub``). Work still
+        running (a rank that ignored an interrupt) is dropped once it ends."""
         with self._client_lock:
             client = self._client
             if client is None:
                 return
             self._unpurged.extend(msg_ids)
-            done = [m for m in self._unpurged if m not in client.outstanding]
-            self._unpurged = [m for m in self._unpurged if m in client.outstanding]
-            gone = set(done)
-            client.purge_local_results(jobs=done)
-            client.history = [m for m in client.history if m not in gone]
-            self._hub_purge_due += 1
-            if hub or self._hub_purge_due >= HUB_PURGE_EVERY:
-                # A round trip (~1 ms): batched for cells. The controller learns that a
-                # task ended a little after the client does, so drop every finished record
-                # rather than this cell's, which may not count as finished there yet.
-                try:
-                    client.purge_hub_results(jobs="all")
-                    self._hub_purge_due = 0
-                except Exception as e:
-                    log.debug("controller purge: %s", e)
+            done = {m for m in self._unpurged if m not in client.outstanding}
+            self._unpurged = [m for m in self._unpurged if m not in done]
+            client.purge_local_results(jobs=list(done))
+            client.history = [m for m in client.history if m not in done]
+            if self._hub_purge_queued or self._loop is None:
+                return
+            self._hub_purge_queued = True
+        self._loop.call_soon_threadsafe(self._loop.call_later, HUB_PURGE_DELAY_S, self._purge_hub)
+
+    def _purge_hub(self) -> None:
+        """Ask the controller to drop every finished task's record (results included, such
+        as a pulled tensor). On the session's loop thread, at most once per
+        HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
+        the controller counts a task finished a little after the client does."""
+        with self._client_lock:
+            self._hub_purge_queued = False
+            client = self._client
+            if client is None:
+                return
+            try:  # purge_hub_results would wait for ever on a controller that is gone
+                reply = client._send(
+                    client._query_stream,
+                    "purge_request",
+                    content={"engine_ids": [], "msg_ids": "all"},
+                )
+                reply.result(timeout=10)
+            except Exception as e:
+                log.debug("controller purge: %s", e)
 
     def _set_busy(self, ranks, busy: bool) -> None:
         with self._lock:
@@ -827,10 +847,7 @@ class Session:
             pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
         self._set_busy(targets, True)
         try:
-            out = self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
-            # return values can be big (a pulled tensor): the controller keeps no copy
-            self._forget([m for ar in pending.values() for m in ar.msg_ids], hub=True)
-            return out
+            return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
         except KeyboardInterrupt:
             self.signal(signal.SIGINT, targets)
             raise DistInterrupted(
@@ -970,7 +987,8 @@ def _remote_traceback(e: BaseException) -> str:
 
 
 INTERRUPT_GRACE_S = 3.0
-HUB_PURGE_EVERY = 50  # cells between the controller's purges of finished records
+DIGEST_HISTORY = 2**14
+HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
 COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
 

@@ -161,7 +161,7 @@ class DistMagics(Magics):
         """Send SIGINT to busy ranks: stops a %%dist --background cell."""
         args = parse_argstring(self.dist_interrupt, line)
         ranks = _session().interrupt(args.ranks)
-        print(f"Interrupted ranks {ranks}." if ranks else "No rank is busy.")
+        print(f"Interrupted ranks {ranks}." if ranks else "No background cell is running.")
 
     @line_magic
     def dist_stop(self, line: str):
