@@ -133,7 +133,14 @@ class Session:
         self._cluster = None
         self._client = None
         self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
+        self._created = time.time()  # no process of ours is older
         self._lock = threading.Lock()
+        # ipyparallel's Client is not thread-safe, and the foreground cell, a --background
+        # cell's thread and the status widget's poller all use it: every call holds this.
+        self._client_lock = threading.RLock()
+        self._background: _Background | None = None
+        self._unpurged: list[str] = []  # msg ids of finished work, until purged
+        self._hub_purge_queued = False  # a purge of the controller's records is due soon
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
@@ -161,26 +168,43 @@ class Session:
         return self
 
     def _launch(self, progress: Progress | None) -> None:
-        """Engines up, ranks bootstrapped, watchdog armed (also what a hard restart redoes)."""
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
+        self._start_watchdog()
         self._start_engines(progress)
         self._bootstrap(progress)
-        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        self._start_watchdog(started)
 
-    def _start_watchdog(self, procs: list[psutil.Process]) -> None:
-        """A small process that ends ours if this kernel dies, even by SIGKILL."""
+    @property
+    def _profile_dir(self) -> str:
+        """ipyparallel puts this in every process it launches (IPP_PROFILE_DIR): it marks
+        the processes this session started, and only them (the folder is ours alone)."""
+        return os.path.join(self._workdir, "profile")
+
+    def _start_watchdog(self) -> None:
+        """A small process that ends ours if this kernel dies, even by SIGKILL. Started
+        before anything else, so a kernel killed while engines come up leaves nothing."""
         import subprocess
 
-        def tag(p: psutil.Process) -> str:
-            return f"{p.pid}:{p.create_time()}"
-
-        args = [tag(psutil.Process())] + [tag(p) for p in procs if _alive(p)]
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            return  # a hard restart keeps the session's watchdog
+        kernel = psutil.Process()
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "infini_notebook.watchdog", *args],
+            [
+                sys.executable,
+                "-m",
+                "infini_notebook.watchdog",
+                f"{kernel.pid}:{kernel.create_time()}",
+                self._profile_dir,
+                repr(self._created),
+            ],
             start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
             stdin=subprocess.DEVNULL,
         )
+
+    def _end_watchdog(self) -> None:
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            self._watchdog.terminate()
+            self._watchdog.wait(5)
+        self._watchdog = None
 
     @property
     def world_size(self) -> int:
@@ -234,7 +258,7 @@ class Session:
         from . import launchers
 
         self._cluster = ipp.Cluster(
-            **launchers.cluster_options(self.plan, os.path.join(self._workdir, "profile")),
+            **launchers.cluster_options(self.plan, self._profile_dir),
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=True,
         )
@@ -246,8 +270,13 @@ class Session:
             )
         )
         self._client = self._in_loop(self._cluster.connect_client())
+        # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
+        # after some thousand cells. Messages travel on loopback or CurveZMQ.
+        self._client.session.digest_history_size = DIGEST_HISTORY
         self._wait_for_engines(progress)
-        identities = self._client[:].apply_async(engine.identity).get_dict(timeout=60)
+        ar = self._client[:].apply_async(engine.identity)
+        identities = ar.get_dict(timeout=60)
+        self._forget(ar.msg_ids)
         self._eids = launchers.assign_ranks(identities, self.plan)
 
     def _wait_for_engines(self, progress: Progress | None, timeout: float = 120) -> None:
@@ -329,10 +358,11 @@ class Session:
         }
 
     def _bootstrap(self, progress: Progress | None = None) -> None:
-        pending = {
-            r: self._engine(r).apply_async(engine.bootstrap, self._engine_config(r))
-            for r in range(self.world_size)
-        }
+        configs = {r: self._engine_config(r) for r in range(self.world_size)}
+        with self._client_lock:
+            pending = {
+                r: self._engine(r).apply_async(engine.bootstrap, configs[r]) for r in configs
+            }
         if progress:  # the gather below reports errors; this only counts finished ranks
             while (done := sum(ar.ready() for ar in pending.values())) < self.world_size:
                 progress(done, self.world_size, "ranks initialised")
@@ -380,6 +410,8 @@ class Session:
             except Exception as e:
                 errors[r] = _one_line(e)
                 tracebacks[r] = _remote_traceback(e)
+        # return values can be big (a pulled tensor): nothing here keeps a copy
+        self._forget([m for ar in pending.values() for m in ar.msg_ids])
         if errors:
             raise DistCellError(
                 f"{what} failed on {error_summary(errors, list(pending))}",
@@ -393,6 +425,7 @@ class Session:
         global _current
         self.running = False
         self._stop_processes()
+        self._end_watchdog()  # last: it covers a kernel killed while the rest stops
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
@@ -408,18 +441,17 @@ class Session:
             pass
 
     def _stop_processes(self) -> None:
-        """Engines and controller (the store stays: it is the kernel's)."""
-        if self._watchdog is not None and self._watchdog.poll() is None:
-            self._watchdog.terminate()
-            self._watchdog.wait(5)
-        self._watchdog = None
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:
-                pass
-            self._client = None
-        engines = self._kill_engines()
+        """Engines and controller (the store and the watchdog stay: a hard restart reuses
+        them)."""
+        with self._client_lock:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:
+                    pass
+                self._client = None
+            self._unpurged = []
+        engines = self._kill_engines()  # first: see _kill_engines
         if self._cluster is not None:
             try:  # the controller and remote engines stop while ours die
                 self._in_loop(self._cluster.stop_cluster())
@@ -427,6 +459,7 @@ class Session:
                 log.warning("stopping the cluster: %s", e)
             self._cluster = None
         psutil.wait_procs(engines, timeout=5)
+        self._kill_leftovers()
         self._pids = {}
 
     # ----- recovery -----------------------------------------------------------------------
@@ -436,12 +469,11 @@ class Session:
         work (a rank is dead, or stuck in native code) says so and names --hard."""
         if self._cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
+        # A hard restart may end a background cell that was told to stop and did not.
+        self._refuse_beside_background("%dist_restart", unless_interrupted=hard)
         self.attempt += 1
         if hard:
-            self._stop_processes()
-            self._errored = set()
-            self._launch(progress)
-            self.running = True
+            self._restart_hard(progress)
             return
         self._require_running()
         dead = self._dead_ranks(range(self.world_size))
@@ -455,10 +487,11 @@ class Session:
                 f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
                 "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
             )
-        pending = {
-            r: self._engine(r).apply_async(engine.reinit_distributed, self.attempt)
-            for r in range(self.world_size)
-        }
+        with self._client_lock:
+            pending = {
+                r: self._engine(r).apply_async(engine.reinit_distributed, self.attempt)
+                for r in range(self.world_size)
+            }
         try:
             self._record_ranks(self._gather(pending, what="restart", timeout=60))
         except DistCellError as e:
@@ -466,6 +499,27 @@ class Session:
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
         self._errored = set()
+
+    def _restart_hard(self, progress: Progress | None) -> None:
+        """New engines; if they cannot come up, stop everything rather than leave half a
+        session running."""
+        self._stop_processes()
+        self._errored = set()
+        try:
+            self._launch(progress)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        except Exception as e:
+            self.stop()
+            why = e.summary if isinstance(e, DistCellError) else _one_line(e)
+            raise DistCellError(
+                f"Hard restart failed: {why}. The session is stopped and nothing is left "
+                "running; start a new one with %dist_start.",
+                getattr(e, "report", ""),
+                getattr(e, "ranks", []),
+            ) from None
+        self.running = True
 
     def _still_stuck(self) -> set[int]:
         """Ranks that ignored an interrupt, until their engine's queue drains."""
@@ -482,7 +536,8 @@ class Session:
 
     def _stuck_ranks(self) -> list[int]:
         """Ranks whose engine still has work queued or running."""
-        status = self._client.queue_status()
+        with self._client_lock:
+            status = self._client.queue_status()
         return [
             r for r in range(self.world_size) if status.get(self._eids[r], {}).get("queue", 0) > 0
         ]
@@ -534,6 +589,16 @@ class Session:
                 pass
         return procs
 
+    def _kill_leftovers(self) -> None:
+        """Processes the launcher could not stop (an engine, the controller after a failed
+        stop): the engines we recorded (psutil checks their start time, so a recycled pid is
+        never touched) and whatever else carries this session's mark."""
+        from .watchdog import end_all, session_processes
+
+        procs = {p.pid: p for p in self._pids.values()}
+        procs.update({p.pid: p for p in session_processes(self._profile_dir, self._created)})
+        end_all(list(procs.values()), grace=0)
+
     # ----- running code -------------------------------------------------------------------
     def run(
         self,
@@ -547,19 +612,28 @@ class Session:
     ) -> CellResult:
         """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives
         (on this cell's streams, or through ``printer``). Raises DistCellError (labeled
-        tracebacks) when any rank raised."""
+        tracebacks) when any rank raised, DistUsageError while a background cell runs."""
         self._require_running()
-        targets = parse_ranks(ranks, self.world_size)
+        self._refuse_beside_background("%%dist")
+        return self._run(
+            code,
+            parse_ranks(ranks, self.world_size),
+            collapse,
+            max_lines,
+            printer or _Printer(echo),
+        )
+
+    def _run(self, code: str, targets: list[int], collapse, max_lines, printer) -> CellResult:
         dead = self._dead_ranks(targets)
         if dead:
             raise DistUsageError(f"{_dead_text(dead)}. Run %dist_restart --hard first.")
         labeler = StreamLabeler(collapse=collapse)
         if max_lines:
             labeler.max_lines = max_lines
-        printer = printer or _Printer(echo)
         shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         t0 = time.perf_counter()
-        ar = self._view(targets).execute(code, silent=False, block=False)
+        with self._client_lock:
+            ar = self._view(targets).execute(code, silent=False, block=False)
         self._set_busy(targets, True)
         try:
             self._follow(ar, targets, labeler, printer, shown)
@@ -569,6 +643,7 @@ class Session:
         finally:
             self._set_busy(targets, False)
         result = self._collect(ar, targets, labeler, printer, shown, time.perf_counter() - t0)
+        self._forget(ar.msg_ids)
         self.last = result
         if result.errors:
             self._errored |= set(result.errors)
@@ -580,28 +655,57 @@ class Session:
         self, code: str, ranks: str | list[int] | None = None, *, printer: Printer, **kw
     ) -> threading.Thread:
         """``run`` on a thread, so the notebook stays free (for %dist_stacks, %dist_status)
-        while the ranks work. Output and errors go to ``printer``; the result to ``last``."""
+        while the ranks work. Output and errors go to ``printer``; the result to ``last``.
+        One at a time: other cells (and pull, push, bench, restart) are refused until it
+        ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
         self._require_running()
-        parse_ranks(ranks, self.world_size)  # refuse a bad spec now, not on the thread
+        self._refuse_beside_background("%%dist --background")
+        targets = parse_ranks(ranks, self.world_size)  # refuse a bad spec now
+        collapse, max_lines = kw.get("collapse", False), kw.get("max_lines")
 
         def work() -> None:
             try:
-                self.run(code, ranks, printer=printer, **kw)
+                self._run(code, targets, collapse, max_lines, printer)
             except DistCellError as e:
                 printer.err(f"{e.report}DistCellError: {e.summary}\n")
             except DistUsageError as e:
                 printer.err(f"DistUsageError: {e}\n")
+            except Exception as e:  # the session stopped under it, say
+                printer.err(f"The background cell ended: {_one_line(e)}\n")
 
         thread = threading.Thread(target=work, name="infini-background-cell", daemon=True)
+        self._background = _Background(thread, targets)
         thread.start()
         return thread
 
+    def _running_background(self) -> _Background | None:
+        bg = self._background
+        return bg if bg is not None and bg.thread.is_alive() else None
+
+    def _refuse_beside_background(self, what: str, unless_interrupted: bool = False) -> None:
+        """One background cell owns its ranks until it ends: anything else sent to the
+        engines would queue behind it (or, for a Stop button, interrupt it)."""
+        bg = self._running_background()
+        if bg is None or threading.current_thread() is bg.thread:
+            return
+        if unless_interrupted and bg.interrupted:
+            return
+        raise DistUsageError(
+            f"{what}: a background cell is running on {rank_label(bg.ranks)[1:-1]}; wait for "
+            "it, or stop it with %dist_interrupt."
+        )
+
     def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
-        """SIGINT the busy ranks (of ``ranks``): stops a background cell. Returns them."""
+        """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
+        and nothing else. Returns the ranks signalled."""
+        bg = self._running_background()
+        if bg is None:
+            return []
+        bg.interrupted = True
         with self._lock:
             busy = set(self._busy)
-        chosen = parse_ranks(ranks, self.world_size) if ranks is not None else sorted(busy)
-        targets = [r for r in chosen if r in busy]
+        chosen = parse_ranks(ranks, self.world_size) if ranks is not None else bg.ranks
+        targets = [r for r in chosen if r in busy and r in bg.ranks]
         self.signal(signal.SIGINT, targets)
         return targets
 
@@ -736,7 +840,9 @@ class Session:
             if proc is not None:
                 return _alive(proc)
             if registered is None:
-                registered = set(self._client.ids) if self._client is not None else set()
+                with self._client_lock:
+                    client = self._client
+                    registered = set(client.ids) if client is not None else set()
             return bool(self._eids) and self._eids[r] in registered
 
         return alive
@@ -766,8 +872,47 @@ class Session:
                     proc.send_signal(signum)
             except psutil.Error:
                 pass
-        if remote and self._client is not None:  # through each engine's ipyparallel nanny
-            self._client.send_signal(signum, targets=remote, block=False)
+        with self._client_lock:
+            if remote and self._client is not None:  # through each engine's nanny
+                self._client.send_signal(signum, targets=remote, block=False)
+
+    def _forget(self, msg_ids: list[str]) -> None:
+        """Drop what ipyparallel keeps of finished work: the client's results, metadata and
+        history now, the controller's records soon after (see ``_purge_hub``). Work still
+        running (a rank that ignored an interrupt) is dropped once it ends."""
+        with self._client_lock:
+            client = self._client
+            if client is None:
+                return
+            self._unpurged.extend(msg_ids)
+            done = {m for m in self._unpurged if m not in client.outstanding}
+            self._unpurged = [m for m in self._unpurged if m not in done]
+            client.purge_local_results(jobs=list(done))
+            client.history = [m for m in client.history if m not in done]
+            if self._hub_purge_queued or self._loop is None:
+                return
+            self._hub_purge_queued = True
+        self._loop.call_soon_threadsafe(self._loop.call_later, HUB_PURGE_DELAY_S, self._purge_hub)
+
+    def _purge_hub(self) -> None:
+        """Ask the controller to drop every finished task's record (results included, such
+        as a pulled tensor). On the session's loop thread, at most once per
+        HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
+        the controller counts a task finished a little after the client does."""
+        with self._client_lock:
+            self._hub_purge_queued = False
+            client = self._client
+            if client is None:
+                return
+            try:  # purge_hub_results would wait for ever on a controller that is gone
+                reply = client._send(
+                    client._query_stream,
+                    "purge_request",
+                    content={"engine_ids": [], "msg_ids": "all"},
+                )
+                reply.result(timeout=10)
+            except Exception as e:
+                log.debug("controller purge: %s", e)
 
     def _set_busy(self, ranks, busy: bool) -> None:
         with self._lock:
@@ -785,8 +930,10 @@ class Session:
         The function runs in the engine process; ``engine.user_namespace()`` reaches the
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         self._require_running()
+        self._refuse_beside_background(getattr(fn, "__name__", "call"))
         targets = parse_ranks(ranks, self.world_size)
-        pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
+        with self._client_lock:
+            pending = {r: self._engine(r).apply_async(fn, *args) for r in targets}
         self._set_busy(targets, True)
         try:
             return self._gather(pending, what=getattr(fn, "__name__", "call"), timeout=timeout)
@@ -905,6 +1052,15 @@ class Session:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
 
 
+@dataclass
+class _Background:
+    """The background cell: its thread, its ranks, and whether %dist_interrupt was sent."""
+
+    thread: threading.Thread
+    ranks: list[int]
+    interrupted: bool = False
+
+
 class Printer(Protocol):
     """Where a cell's labeled output goes."""
 
@@ -977,6 +1133,8 @@ def _remote_traceback(e: BaseException) -> str:
 
 
 INTERRUPT_GRACE_S = 3.0
+DIGEST_HISTORY = 2**14
+HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
 COLLAPSE_HOLD_S = 2.0
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources

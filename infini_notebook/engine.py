@@ -43,6 +43,7 @@ def bootstrap(cfg: dict) -> dict:
         _watch_store(cfg["master_addr"], cfg["master_port"])
     _install_stack_dumper(cfg)
     _remember_failures()
+    _keep_no_output_history()
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -52,6 +53,30 @@ def bootstrap(cfg: dict) -> dict:
     _install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
+
+
+def _keep_no_output_history() -> None:
+    """A cell's last value goes to the kernel (``session.last``) and nowhere else on the
+    rank: IPython's output cache (Out, _, __, ___, _N) would keep every one alive, GPU
+    tensors included, for as long as the engine runs."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    shell.displayhook.cache_size = 0  # what IPython does for InteractiveShell.cache_size=0
+    shell.displayhook.do_full_cache = 0
+    shell.events.register("post_run_cell", _drop_logged_outputs)
+
+
+def _drop_logged_outputs(result=None) -> None:
+    """IPython's history also logs each cell's formatted outputs and tracebacks; drop them
+    after the cell."""
+    from IPython import get_ipython
+
+    history = get_ipython().history_manager
+    for name in ("outputs", "output_hist_reprs", "exceptions"):
+        logged = getattr(history, name, None)
+        if logged is not None:
+            logged.clear()
 
 
 def _set_environment(cfg: dict) -> None:

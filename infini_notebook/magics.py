@@ -170,10 +170,10 @@ class DistMagics(Magics):
             from . import viz
 
             printer = viz.OutputPrinter()
-            display(printer.widget)
-            session.run_background(
+            session.run_background(  # refuses before the widget shows, if it must
                 cell, ranks, printer=printer, collapse=args.collapse, max_lines=args.max_lines
             )
+            display(printer.widget)
             return
         session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
 
@@ -184,7 +184,7 @@ class DistMagics(Magics):
         """Send SIGINT to busy ranks: stops a %%dist --background cell."""
         args = parse_argstring(self.dist_interrupt, line)
         ranks = _session().interrupt(args.ranks)
-        print(f"Interrupted ranks {ranks}." if ranks else "No rank is busy.")
+        print(f"Interrupted ranks {ranks}." if ranks else "No background cell is running.")
 
     @line_magic
     def dist_stop(self, line: str):

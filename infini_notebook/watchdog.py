@@ -1,9 +1,12 @@
 """Ends a session's processes when its kernel dies, even by SIGKILL.
 
-Started by the session as ``python -m infini_notebook.watchdog KERNEL PROC...`` where each
-argument is ``pid:start_time``. It only ever signals those processes, and only while their
-start time still matches (a recycled pid is left alone). It exits by itself once the kernel
-and every watched process are gone.
+Started by the session before anything else, as
+``python -m infini_notebook.watchdog KERNEL_PID:START PROFILE_DIR SINCE``. ipyparallel
+launches every process of the session (controller, engines, their nannies) with
+``IPP_PROFILE_DIR=PROFILE_DIR``, a folder that belongs to this session alone: when the kernel
+is gone, the watchdog ends the processes that carry that mark and started after ``SINCE``,
+and nothing else. So it covers processes that appear while the session is still starting,
+and those a hard restart brings up, without being told about each.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import psutil
 
 POLL_S = 0.5
 GRACE_S = 3.0
+MARK = "IPP_PROFILE_DIR"
 
 
 def same_process(pid: int, start: float) -> psutil.Process | None:
@@ -32,28 +36,44 @@ def parse(arg: str) -> tuple[int, float]:
     return int(pid), float(start)
 
 
-def end_all(watched: list[tuple[int, float]]) -> None:
-    procs = [p for p in (same_process(pid, start) for pid, start in watched) if p]
+def session_processes(profile_dir: str, since: float = 0.0) -> list[psutil.Process]:
+    """Live processes marked with this session's profile folder, started after ``since``."""
+    found = []
+    for proc in psutil.process_iter(["create_time"]):
+        try:
+            if (proc.info["create_time"] or 0) < since - 1.0:
+                continue
+            if proc.environ().get(MARK) == profile_dir and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:  # gone, or another user's
+            pass
+    return found
+
+
+def end_all(procs: list[psutil.Process], grace: float = GRACE_S) -> None:
+    """SIGTERM, then SIGKILL what is left after ``grace`` seconds. psutil refuses to signal
+    a pid that was reused since the Process object was made."""
     for proc in procs:
         try:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=GRACE_S)
+    _, alive = psutil.wait_procs(procs, timeout=grace)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs(alive, timeout=GRACE_S)
 
 
 def main(argv: list[str]) -> int:
-    kernel, watched = parse(argv[0]), [parse(a) for a in argv[1:]]
+    kernel, profile_dir, since = parse(argv[0]), argv[1], float(argv[2])
     while same_process(*kernel):
-        if not any(same_process(*w) for w in watched):
-            return 0  # the session stopped normally
         time.sleep(POLL_S)
-    end_all(watched)
+    # Twice: a launcher caught halfway may still start a process as the first round ends.
+    for _ in range(2):
+        end_all(session_processes(profile_dir, since))
     return 0
 
 

@@ -1,0 +1,225 @@
+"""The session over time (issue 12, items 3, 7, 8): a background cell beside other work,
+memory that does not pile up cell after cell, and no process outliving its kernel, whenever
+the kernel dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import fresh_kernel, text_of
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def error_text(cell) -> str:
+    return "\n".join("\n".join(o.traceback) for o in cell.outputs if o.output_type == "error")
+
+
+# ----- item 7: nothing keeps a finished cell's values ------------------------------------------
+def test_a_cells_last_value_is_freed_on_the_ranks_and_in_the_client(session4):
+    session4.run(
+        "import weakref\nbig = torch.ones(1_000_000)\nref = weakref.ref(big)\nbig", echo=False
+    )
+    assert "1." in session4.last.results[0]["text/plain"]  # the value did come back
+    session4.run("del big", echo=False)  # the next cell: only Out/_ could still hold it
+    freed = session4.run("ref() is None", echo=False).results
+    assert {r: v["text/plain"] for r, v in freed.items()} == {r: "True" for r in range(4)}
+    for _ in range(3):
+        session4.run("1", echo=False)
+    session4.pull("rank")
+    client = session4._client
+    with session4._client_lock:  # the session purges the controller from its own thread
+        assert client.outstanding == set()
+        assert client.results == {} and len(client.history) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with session4._client_lock:
+            records = client.hub_history()
+        if not records:
+            break
+        time.sleep(0.2)
+    assert records == []  # the controller keeps no results either (the pull's values)
+
+
+# ----- item 3: one background cell, beside status and stacks ------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(kernel):
+    kernel.run(
+        "from infini_notebook import cluster as _c\n"
+        "if _c.current() is None or _c.current().world_size != 2:\n"
+        "    %dist_stop\n"
+        "    %dist_start --nprocs 2",
+        timeout=180,
+    )
+    return kernel
+
+
+def wait_idle(kernel, timeout=30):
+    kernel.run(
+        "import time\nwhile any(r.state == 'busy' for r in dist_session.status()):\n"
+        "    time.sleep(0.2)",
+        timeout=timeout,
+    )
+
+
+def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks):
+    kernel = two_ranks
+    kernel.run(
+        "%%dist --background\nimport time\ndef crunch():\n    time.sleep(8)\ncrunch()\n"
+        "print('background done', rank)"
+    )
+    time.sleep(1)
+    for line in (
+        "%%dist\nprint('foreground')",
+        "%%dist --ranks 1\nprint('foreground')",
+        "%%dist --background\nprint('second')",
+        "%dist_pull rank",
+        "%dist_restart",
+    ):
+        cell = kernel.run(line, allow_error=True)
+        out = text_of(cell)
+        assert "background cell is running on ranks 0-1" in out, (line, out)
+        assert "%dist_interrupt" in out and "foreground" not in text_of(cell, "stdout")
+        assert "Traceback" not in out
+    # what --background is for still works beside it
+    assert text_of(kernel.run("%dist_stacks")).count("in crunch") == 2
+    assert "['busy', 'busy']" in text_of(
+        kernel.run("print([r.state for r in dist_session.status()])")
+    )
+
+    def press_stop():  # Jupyter's stop button, on a notebook cell that is not the background one
+        time.sleep(1)
+        os.kill(kernel.kernel_pid, signal.SIGINT)
+
+    threading.Thread(target=press_stop).start()
+    kernel.run("import time\ntime.sleep(10)", allow_error=True)
+    wait_idle(kernel)
+    out = text_of(kernel.run("print(dist_session.last.stdout)"))
+    assert "background done 0" in out and "background done 1" in out  # ran to its end
+    assert "[rank 1] ok" in text_of(kernel.run("%%dist\nprint('ok')"))
+
+
+def test_interrupt_stops_the_background_cell_and_then_work_goes_on(two_ranks):
+    kernel = two_ranks
+    assert "No background cell" in text_of(kernel.run("%dist_interrupt"))
+    kernel.run("%%dist --background --ranks 0\nimport time\ntime.sleep(60)")
+    time.sleep(1)
+    assert "Interrupted ranks [0]" in text_of(kernel.run("%dist_interrupt"))
+    wait_idle(kernel, timeout=20)
+    assert "KeyboardInterrupt" in text_of(kernel.run("print(dist_session.last.errors)"))
+    out = text_of(kernel.run("%%dist\nprint('after', rank)"), "stdout")
+    assert "[rank 0] after 0" in out and "[rank 1] after 1" in out
+
+
+# ----- item 8: no process outlives its kernel ----------------------------------------------------
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _marked(profile_dirs: set[str]) -> list[psutil.Process]:
+    """Live processes carrying one of these session marks (ipyparallel's IPP_PROFILE_DIR)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("IPP_PROFILE_DIR") in profile_dirs and p.status() != "zombie":
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _kill_when(cells, source: str, ready) -> set[psutil.Process]:
+    """Run ``source`` in the kernel and SIGKILL the kernel as soon as ``ready(procs)`` holds
+    for its session's processes. Returns every process of the session seen until then."""
+    threading.Thread(target=lambda: _run_quietly(cells, source), daemon=True).start()
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for p in _descendants(cells.kernel_pid):
+            seen.setdefault(p.pid, p)
+        if ready(list(seen.values())):
+            psutil.Process(cells.kernel_pid).kill()
+            return set(seen.values())
+        time.sleep(0.02)
+    raise AssertionError("the session's processes never appeared")
+
+
+def _run_quietly(cells, source: str) -> None:
+    try:
+        cells.run(source, allow_error=True, timeout=180)
+    except Exception:  # the kernel dies under the cell: that is the point
+        pass
+
+
+def _assert_all_gone(seen: set[psutil.Process], t0: float, what: str) -> None:
+    marks = set()
+    for p in seen:
+        try:
+            marks.add(p.environ().get("IPP_PROFILE_DIR"))
+        except psutil.Error:
+            pass
+    marks.discard(None)
+    _, alive = psutil.wait_procs(list(seen), timeout=15)
+    assert alive == [], (what, [(p.pid, _cmd(p)) for p in alive])
+    late = _marked(marks)  # started after our last look, by a launcher caught halfway
+    if late:
+        _, late = psutil.wait_procs(late, timeout=15 - (time.monotonic() - t0))
+    assert late == [], (what, [(p.pid, _cmd(p)) for p in late])
+
+
+def _engines(procs, exclude=()) -> list[psutil.Process]:
+    return [p for p in procs if "ipyparallel.engine" in _cmd(p) and p.pid not in exclude]
+
+
+def test_kernel_killed_while_engines_come_up_leaves_nothing():
+    with fresh_kernel() as cells:
+        seen = _kill_when(cells, "%dist_start --nprocs 2", lambda ps: len(_engines(ps)) >= 1)
+        t0 = time.monotonic()
+        assert any("ipyparallel.controller" in _cmd(p) for p in seen)
+        _assert_all_gone(seen, t0, "kernel killed while engines start")
+
+
+def test_kernel_killed_during_a_hard_restart_leaves_nothing():
+    with fresh_kernel() as cells:
+        cells.run("%dist_start --nprocs 2", timeout=180)
+        old = {p.pid for p in _engines(_descendants(cells.kernel_pid))}
+        seen = _kill_when(
+            cells, "%dist_restart --hard", lambda ps: len(_engines(ps, exclude=old)) >= 1
+        )
+        t0 = time.monotonic()
+        _assert_all_gone(seen, t0, "kernel killed during a hard restart")
+
+
+def test_a_failed_hard_restart_stops_everything_with_a_clear_error():
+    with fresh_kernel() as cells:
+        cells.run("%dist_start --nprocs 2", timeout=180)
+        started = _descendants(cells.kernel_pid)
+        # a real failure: no Python can start with this, so the new controller exits at once
+        cells.run("import os\nos.environ['PYTHONHOME'] = '/nonexistent'")
+        cell = cells.run("%dist_restart --hard", allow_error=True, timeout=180)
+        cells.run("del os.environ['PYTHONHOME']")
+        err = error_text(cell)
+        assert "Hard restart failed" in err and "nothing is left running" in err
+        assert "%dist_start" in err
+        assert "Traceback (most recent call last)" not in err.split("DistCellError")[-1]
+        assert "False" in text_of(cells.run("print(dist_session.running)"))
+        _, alive = psutil.wait_procs(started, timeout=10)
+        assert alive == [], [(p.pid, _cmd(p)) for p in alive]
+        assert _descendants(cells.kernel_pid) == []  # the watchdog too
+        out = text_of(cells.run("%dist_start --nprocs 2\n%dist_stop", timeout=180))
+        assert "2 ranks ready" in out  # and a new session starts
