@@ -4,13 +4,16 @@ in a real kernel, and timed (time to detect, time to recover; see FAULT_TIMINGS)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, fresh_kernel, text_of
+from conftest import FAULT_TIMINGS, fresh_kernel, text_of, use_session
+
+FAULTS = "--nprocs 4 --timeout 5"  # the session most tests here share
 
 
 def error_text(cell) -> str:
@@ -46,11 +49,54 @@ def test_hung_collective_fails_at_timeout_and_soft_restart_recovers(kernel):
     assert "[rank 3] 4.0 300" in out  # groups work again, variables kept
 
 
-def test_stacks_show_where_each_rank_is(kernel):
-    out = text_of(kernel.run("%dist_stacks --all-threads"))
-    for r in range(4):
-        assert f"[rank {r}]" in out
-    assert "Current thread" in out
+# Each rank naps in a function named after it until the test removes its file.
+NAP = """%%dist --background
+import os, time
+exec(f"def nap_on_rank_{rank}(path):\\n    while os.path.exists(path):\\n        time.sleep(0.05)")
+globals()[f"nap_on_rank_{rank}"](PATH)
+"""
+
+
+def stacks_by_rank(out: str) -> dict[int, str]:
+    """%dist_stacks' output ('[rank N]' then that rank's stack) -> {N: stack}."""
+    parts = re.split(r"^\[rank (\d+)\]$", out, flags=re.M)
+    return {int(rank): text for rank, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_stacks_show_where_each_rank_is(kernel, tmp_path):
+    use_session(kernel, FAULTS)
+    nap = tmp_path / "napping"
+    nap.touch()
+    kernel.run(NAP.replace("PATH", repr(str(nap))))
+    # wait until every rank is inside its nap (a slow start is no failure), then ask
+    kernel.run(
+        "import time\nfor _ in range(50):\n"
+        "    if all(f'nap_on_rank_{r}' in s for r, s in dist_session.stacks().items()):\n"
+        "        break\n"
+        "    time.sleep(0.2)",
+        timeout=200,
+    )
+    try:
+        stacks = stacks_by_rank(text_of(kernel.run("%dist_stacks")))
+        full = stacks_by_rank(text_of(kernel.run("%dist_stacks --all-threads")))
+    finally:
+        nap.unlink()
+        wait_until_idle(kernel)
+    assert sorted(stacks) == sorted(full) == [0, 1, 2, 3]
+    for rank, stack in stacks.items():
+        names = set(re.findall(r"nap_on_rank_\d+", stack))
+        assert names == {f"nap_on_rank_{rank}"}, (rank, stack)  # its own stack, not another's
+        assert "line 3 in <module>" in stack, stack  # and the cell's line that called it
+    for rank, stack in full.items():
+        assert "Current thread" in stack and f"nap_on_rank_{rank}" in stack
+
+
+def wait_until_idle(kernel, timeout: int = 60) -> None:
+    kernel.run(
+        "import time\nwhile any(r.state == 'busy' for r in dist_session.status()):\n"
+        "    time.sleep(0.2)",
+        timeout=timeout,
+    )
 
 
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
