@@ -27,7 +27,7 @@ def timed(kernel, source, **kw):
 
 
 def test_hung_collective_fails_at_timeout_and_soft_restart_recovers(kernel):
-    kernel.run("%dist_start --nprocs 4 --timeout 5", timeout=180)
+    use_session(kernel, FAULTS)
     kernel.run("%%dist\nkeep = rank * 100")
     cell, took = timed(
         kernel,
@@ -100,6 +100,8 @@ def wait_until_idle(kernel, timeout: int = 60) -> None:
 
 
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
+    use_session(kernel, FAULTS)
+
     def press_stop():
         time.sleep(2)
         os.kill(kernel.kernel_pid, signal.SIGINT)  # what Jupyter's stop button sends
@@ -113,6 +115,8 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
 
 
 def test_interrupt_escalates_for_a_rank_stuck_in_a_collective(kernel):
+    use_session(kernel, FAULTS)
+
     def press_stop():
         time.sleep(1)
         os.kill(kernel.kernel_pid, signal.SIGINT)  # what Jupyter's stop button sends
@@ -132,6 +136,7 @@ def test_interrupt_escalates_for_a_rank_stuck_in_a_collective(kernel):
 
 
 def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
+    use_session(kernel, FAULTS)
     cell, took = timed(
         kernel,
         "%%dist\nimport os, time\nif rank == 2:\n    os._exit(7)\ntime.sleep(0.5)\n"
@@ -152,6 +157,7 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
 
 
 def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
+    use_session(kernel, FAULTS)
     cell, took = timed(
         kernel, "%%dist --ranks 1\nfor i in range(1_000_000):\n    print(i)", timeout=300
     )
@@ -260,7 +266,7 @@ def test_kernel_shutdown_and_restart_end_the_session(how):
 
 
 def test_background_cell_leaves_the_notebook_free_for_stacks_and_status(kernel):
-    kernel.run("%dist_start --nprocs 2", timeout=180)
+    use_session(kernel, "--nprocs 2")
     t0 = time.perf_counter()
     kernel.run(
         "%%dist --background\nimport time\nprint('working', flush=True)\n"
