@@ -61,14 +61,25 @@ def mask(line: str, mode: str = "exact") -> str:
     return line.strip()
 
 
+def label_ranks(label: str) -> list[str]:
+    """'[rank 5]' -> ['5']; '[ranks 0,2-3]' -> ['0', '2', '3']."""
+    ranks = []
+    for part in label.strip("[]").split(" ", 1)[1].split(","):
+        first, _, last = part.partition("-")
+        ranks += [str(r) for r in range(int(first), int(last or first) + 1)]
+    return ranks
+
+
 def stream_view(text: str, mode: str) -> dict[str, list[str]]:
-    """A stream's lines grouped by rank label, each group in order: ranks print at the same
-    time, so lines of different ranks interleave differently from run to run."""
+    """A stream's lines per rank, each rank's in order: ranks print at the same time, so
+    lines of different ranks interleave differently from run to run, and --collapse merges
+    the ranks whose lines arrive close together (a '[ranks 0-1]' line counts for both)."""
     groups: dict[str, list[str]] = {}
     for line in ANSI.sub("", text).splitlines():
         m = LABEL.match(line)
-        label, rest = (m.group(1), line[m.end() :]) if m else ("", line)
-        groups.setdefault(label, []).append(mask(rest, mode))
+        labels, rest = (label_ranks(m.group(1)), line[m.end() :]) if m else ([""], line)
+        for label in labels:
+            groups.setdefault(label, []).append(mask(rest, mode))
     return groups
 
 
@@ -114,6 +125,11 @@ def test_cell_view_groups_interleaved_ranks_and_masks_what_varies():
     run2.outputs[0].text = "[rank 0] sum 10.0\n[rank 1] sum 9.0\n"  # a behaviour change
     assert cell_view(run1) != cell_view(run2)
     assert cell_view(run1, "shape") == cell_view(run2, "shape")
+    collapsed = nbformat.v4.new_code_cell(source="%%dist --collapse")
+    collapsed.outputs = [out("stream", name="stdout", text="[ranks 0,2-3] same\n")]
+    apart = nbformat.v4.new_code_cell(source="%%dist --collapse")
+    apart.outputs = [out("stream", name="stdout", text="[rank 3] same\n[ranks 0,2] same\n")]
+    assert cell_view(collapsed) == cell_view(apart)
 
 
 def _runner():
