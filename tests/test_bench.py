@@ -104,14 +104,42 @@ def test_aggregate_averages_time_over_a_groups_ranks():
     first = rows[0]
     assert first["time_us"] == pytest.approx(2000.0)
     assert first["count"] == 1024 and first["size_bytes"] == 4096
-    assert first["algbw_gbps"] == pytest.approx(4096 / 1e9 / 2e-3)
-    assert first["busbw_gbps"] == pytest.approx(first["algbw_gbps"] * 1.0)  # 2(n-1)/n, n=2
+    # worked by hand: 4096 B in 2 ms = 0.002048 GB/s; all_reduce busbw x 2(2-1)/2 = x 1
+    assert first["algbw_gbps"] == pytest.approx(0.002048)
+    assert first["busbw_gbps"] == pytest.approx(0.002048)
+    assert rows[1]["algbw_gbps"] == pytest.approx(0.001024)  # 4096 B in 4 ms
     assert [r["wrong"] for r in rows] == [2, 0]
     df = bench.to_frame(rows, check=True)
     assert list(df.columns) == [*bench.COLUMNS, "wrong"]
     table = bench.format_table(df)
     assert "busbw" in table and "#wrong" in table and "Avg bus bandwidth" in table
     assert "      4096          1024   float32" in table
+
+
+# nccl-tests' PERFORMANCE.md, worked by hand (1 GB = 1e9 B): algbw = S / t;
+# busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
+# alltoall, x 1 for broadcast, reduce and sendrecv.
+@pytest.mark.parametrize(
+    "collective, n, size, time_s, algbw, busbw",
+    [
+        ("all_reduce", 4, 1 << 20, 1e-3, 1.048576, 1.572864),  # x 6/4
+        ("all_reduce", 8, 1 << 20, 1e-3, 1.048576, 1.835008),  # x 14/8
+        ("all_gather", 4, 1 << 20, 1e-3, 1.048576, 0.786432),  # x 3/4
+        ("reduce_scatter", 8, 1 << 20, 2e-3, 0.524288, 0.458752),  # x 7/8
+        ("all_to_all", 4, 1 << 20, 4e-3, 0.262144, 0.196608),  # x 3/4
+        ("broadcast", 4, 1000, 1e-6, 1.0, 1.0),
+        ("reduce", 8, 4096, 1e-6, 4.096, 4.096),
+        ("send_recv", 2, 4096, 2e-6, 2.048, 2.048),
+        # 1024 B over 3 ranks moves 1008 B (16-byte blocks): 1.008 GB/s x 2/3
+        ("all_gather", 3, 1024, 1e-6, 1.008, 0.672),
+    ],
+)
+def test_rows_carry_nccl_tests_bandwidths(collective, n, size, time_s, algbw, busbw):
+    step = bench.make_step(collective, "world", [list(range(n))], size)
+    reply = {"ranks": list(range(n)), "time_s": time_s, "wrong": None}
+    (row,) = bench.aggregate(step, {r: reply for r in range(n)})
+    assert row["algbw_gbps"] == pytest.approx(algbw)
+    assert row["busbw_gbps"] == pytest.approx(busbw)
 
 
 def test_group_kinds_and_partitions():
@@ -139,6 +167,18 @@ def test_collective_and_dtype_names():
 # --------------------------------------------------------------------------- 4 CPU ranks
 
 
+# busbw / algbw from nccl-tests' PERFORMANCE.md, by hand, for the groups of 4 and 2 ranks
+BUS_FACTORS = {
+    ("all_reduce", 4): 1.5, ("all_reduce", 2): 1.0,  # 2(n-1)/n
+    ("all_gather", 4): 0.75, ("all_gather", 2): 0.5,  # (n-1)/n
+    ("reduce_scatter", 4): 0.75, ("reduce_scatter", 2): 0.5,
+    ("all_to_all", 4): 0.75, ("all_to_all", 2): 0.5,
+    ("broadcast", 4): 1.0, ("broadcast", 2): 1.0,
+    ("reduce", 4): 1.0, ("reduce", 2): 1.0,
+    ("send_recv", 4): 1.0, ("send_recv", 2): 1.0,
+}  # fmt: skip
+
+
 def test_sweep_world_and_tp_all_collectives_checked(session4):
     df = bench.run_bench(
         session4, "all", ["world", "tp"], "1K:4K", iters=3, warmup=1, check=True, progress=False
@@ -152,7 +192,7 @@ def test_sweep_world_and_tp_all_collectives_checked(session4):
     assert (df["time_us"] > 0).all() and (df["algbw_gbps"] > 0).all()
     for r in df.itertuples():
         assert r.algbw_gbps == pytest.approx(r.size_bytes / 1e9 / (r.time_us * 1e-6))
-        factor = bench.bus_factor(r.collective, r.group_size)
+        factor = BUS_FACTORS[r.collective, r.group_size]
         assert r.busbw_gbps == pytest.approx(r.algbw_gbps * factor)
     ag = world[(world["collective"] == "all_gather") & (world["size_bytes"] == 1024)]
     assert ag["count"].tolist() == [64]  # 1K of float32 over 4 ranks

@@ -4,13 +4,16 @@ in a real kernel, and timed (time to detect, time to recover; see FAULT_TIMINGS)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, fresh_kernel, text_of
+from conftest import FAULT_TIMINGS, fresh_kernel, text_of, use_session
+
+FAULTS = "--nprocs 4 --timeout 5"  # the session most tests here share
 
 
 def error_text(cell) -> str:
@@ -24,7 +27,7 @@ def timed(kernel, source, **kw):
 
 
 def test_hung_collective_fails_at_timeout_and_soft_restart_recovers(kernel):
-    kernel.run("%dist_start --nprocs 4 --timeout 5", timeout=180)
+    use_session(kernel, FAULTS)
     kernel.run("%%dist\nkeep = rank * 100")
     cell, took = timed(
         kernel,
@@ -46,11 +49,54 @@ def test_hung_collective_fails_at_timeout_and_soft_restart_recovers(kernel):
     assert "[rank 3] 4.0 300" in out  # groups work again, variables kept
 
 
-def test_stacks_show_where_each_rank_is(kernel):
-    out = text_of(kernel.run("%dist_stacks --all-threads"))
-    for r in range(4):
-        assert f"[rank {r}]" in out
-    assert "Current thread" in out
+# Each rank naps in a function named after it until the test removes its file.
+NAP = """%%dist --background
+import os, time
+exec(f"def nap_on_rank_{rank}(path):\\n    while os.path.exists(path):\\n        time.sleep(0.05)")
+globals()[f"nap_on_rank_{rank}"](PATH)
+"""
+
+
+def stacks_by_rank(out: str) -> dict[int, str]:
+    """%dist_stacks' output ('[rank N]' then that rank's stack) -> {N: stack}."""
+    parts = re.split(r"^\[rank (\d+)\]$", out, flags=re.M)
+    return {int(rank): text for rank, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_stacks_show_where_each_rank_is(kernel, tmp_path):
+    use_session(kernel, FAULTS)
+    nap = tmp_path / "napping"
+    nap.touch()
+    kernel.run(NAP.replace("PATH", repr(str(nap))))
+    # wait until every rank is inside its nap (a slow start is no failure), then ask
+    kernel.run(
+        "import time\nfor _ in range(50):\n"
+        "    if all(f'nap_on_rank_{r}' in s for r, s in dist_session.stacks().items()):\n"
+        "        break\n"
+        "    time.sleep(0.2)",
+        timeout=200,
+    )
+    try:
+        stacks = stacks_by_rank(text_of(kernel.run("%dist_stacks")))
+        full = stacks_by_rank(text_of(kernel.run("%dist_stacks --all-threads")))
+    finally:
+        nap.unlink()
+        wait_until_idle(kernel)
+    assert sorted(stacks) == sorted(full) == [0, 1, 2, 3]
+    for rank, stack in stacks.items():
+        names = set(re.findall(r"nap_on_rank_\d+", stack))
+        assert names == {f"nap_on_rank_{rank}"}, (rank, stack)  # its own stack, not another's
+        assert "line 3 in <module>" in stack, stack  # and the cell's line that called it
+    for rank, stack in full.items():
+        assert "Current thread" in stack and f"nap_on_rank_{rank}" in stack
+
+
+def wait_until_idle(kernel, timeout: int = 60) -> None:
+    kernel.run(
+        "import time\nwhile any(r.state == 'busy' for r in dist_session.status()):\n"
+        "    time.sleep(0.2)",
+        timeout=timeout,
+    )
 
 
 class _Quiet:
@@ -80,6 +126,8 @@ def test_stacks_answer_for_every_rank_while_a_cell_runs(session4):
 
 
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
+    use_session(kernel, FAULTS)
+
     def press_stop():
         time.sleep(2)
         os.kill(kernel.kernel_pid, signal.SIGINT)  # what Jupyter's stop button sends
@@ -93,6 +141,8 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
 
 
 def test_interrupt_escalates_for_a_rank_stuck_in_a_collective(kernel):
+    use_session(kernel, FAULTS)
+
     def press_stop():
         time.sleep(1)
         os.kill(kernel.kernel_pid, signal.SIGINT)  # what Jupyter's stop button sends
@@ -112,6 +162,7 @@ def test_interrupt_escalates_for_a_rank_stuck_in_a_collective(kernel):
 
 
 def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
+    use_session(kernel, FAULTS)
     cell, took = timed(
         kernel,
         "%%dist\nimport os, time\nif rank == 2:\n    os._exit(7)\ntime.sleep(0.5)\n"
@@ -132,6 +183,7 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
 
 
 def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
+    use_session(kernel, FAULTS)
     cell, took = timed(
         kernel, "%%dist --ranks 1\nfor i in range(1_000_000):\n    print(i)", timeout=300
     )
@@ -142,18 +194,58 @@ def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
     assert "999999" in text_of(kernel.run("print(dist_session.last.stdout[1][-7:])"))  # kept whole
 
 
-def test_everything_listens_on_loopback_and_messages_are_signed(kernel):
+def test_everything_listens_on_loopback(kernel):
+    use_session(kernel, FAULTS)
     out = text_of(
         kernel.run(
             "import psutil\n"
             "procs = [psutil.Process()] + psutil.Process().children(recursive=True)\n"
             "conns = [c for p in procs for c in p.net_connections('tcp')]\n"
             "addrs = {c.laddr.ip for c in conns if c.status == 'LISTEN'}\n"
-            "print(sorted(addrs), len(dist_session._client.session.key) > 0)"
+            "print(sorted(addrs))"
         )
     )
-    assert "['127.0.0.1'] True" in out
-    kernel.run("%dist_stop")
+    assert "['127.0.0.1']" in out
+
+
+# Another client of the session's controller, as a local user who cannot read the connection
+# files' key would build one: with a wrong key the controller must not answer and the engines
+# must not run what it sends; with the right key both work (so the refusals are not noise).
+FORGE = """\
+import glob, json, os, ipyparallel as ipp
+path, = glob.glob(f"{dist_session._cluster.profile_dir}/security/ipcontroller-*-client.json")
+info = json.load(open(path))
+print("scheme", info["signature_scheme"], "key set", bool(info["key"]))
+try:
+    ipp.Client(dict(info, key="not-the-key"), timeout=3)
+    print("hub answered a forged key")
+except TimeoutError:
+    print("hub ignored a forged key")
+except Exception as e:  # e.g. an unsigned reply: the hub answered
+    print("hub answered a forged key:", repr(e))
+honest = ipp.Client(info, timeout=30)
+print("honest client ran on", len(honest[:].apply_sync(os.getpid)), "engines")
+honest.session.key = b"not-the-key"  # same sockets, messages now signed wrongly
+try:
+    honest[:].apply_async(os.getpid).get(timeout=3)
+    print("engines ran a forged message")
+except TimeoutError:
+    print("engines ignored a forged message")
+except Exception as e:
+    print("engines answered a forged message:", repr(e))
+honest.close()
+"""
+
+
+def test_messages_with_a_wrong_signature_are_dropped(kernel):
+    use_session(kernel, FAULTS)
+    out = text_of(kernel.run(FORGE, timeout=120))
+    assert "scheme hmac-sha256 key set True" in out
+    assert "hub ignored a forged key" in out
+    assert "honest client ran on 4 engines" in out
+    assert "engines ignored a forged message" in out
+    # the session itself is untouched
+    assert "[rank 3] ok" in text_of(kernel.run("%%dist\nprint('ok')"))
 
 
 def test_sigkill_of_the_kernel_ends_every_process():
@@ -200,7 +292,7 @@ def test_kernel_shutdown_and_restart_end_the_session(how):
 
 
 def test_background_cell_leaves_the_notebook_free_for_stacks_and_status(kernel):
-    kernel.run("%dist_start --nprocs 2", timeout=180)
+    use_session(kernel, "--nprocs 2")
     t0 = time.perf_counter()
     kernel.run(
         "%%dist --background\nimport time\nprint('working', flush=True)\n"

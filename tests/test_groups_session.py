@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ast
 
-from conftest import text_of
+from conftest import text_of, use_session
 
 from infini_notebook.groups import ParallelLayout
 
 LAYOUT = ParallelLayout(8, tp=2, pp=2)
+SESSION = "--nprocs 8 --tp 2 --pp 2 --timeout 60"
 
 
 def per_rank(out: str) -> dict[int, object]:
@@ -22,7 +23,7 @@ def per_rank(out: str) -> dict[int, object]:
 
 
 def test_memberships_proven_by_collectives(kernel):
-    kernel.run("%dist_start --nprocs 8 --tp 2 --pp 2 --timeout 60", timeout=240)
+    use_session(kernel, SESSION)
     cell = kernel.run(
         "%%dist\n"
         "found = {}\n"
@@ -49,11 +50,13 @@ def test_memberships_proven_by_collectives(kernel):
 
 
 def test_mesh_names_the_dims(kernel):
+    use_session(kernel, SESSION)
     out = text_of(kernel.run("%%dist --ranks 0\nprint(mesh.mesh_dim_names, mesh['tp'].size())"))
     assert "[rank 0] ('pp', 'dp', 'cp', 'tp') 2" in out
 
 
 def test_where_selects_ranks_by_coordinates(kernel):
+    use_session(kernel, SESSION)
     out = text_of(kernel.run("%%dist --where pp=0\nprint('stage0', rank)"))
     ranks = sorted(int(line.split()[-1]) for line in out.strip().splitlines())
     assert ranks == LAYOUT.ranks_where(pp=0) == [0, 1, 2, 3]

@@ -6,7 +6,9 @@ import socket
 
 import psutil
 import pytest
-from conftest import text_of
+from conftest import text_of, use_session
+
+SESSION = "--nprocs 4 --backend gloo --timeout 30"  # the session most tests here share
 
 
 def kernel_children(kernel) -> list[psutil.Process]:
@@ -14,6 +16,7 @@ def kernel_children(kernel) -> list[psutil.Process]:
 
 
 def test_bad_flags_fail_the_cell_and_start_nothing(kernel):
+    use_session(kernel, None)
     for line, words in [
         ("%dist_start --gpus 2", "--nprocs"),
         ("%dist_start --nprocs 0", "at least 1"),
@@ -31,7 +34,8 @@ def test_bad_flags_fail_the_cell_and_start_nothing(kernel):
 
 
 def test_start_and_collective_on_four_ranks(kernel):
-    kernel.run("%dist_start --nprocs 4 --backend gloo --timeout 30", timeout=180)
+    use_session(kernel, None)  # a fresh start, even after other tests
+    use_session(kernel, SESSION)
     cell = kernel.run(
         "%%dist\nx = torch.ones(4) * (rank + 1)\ndist.all_reduce(x)\nprint('sum', x[0].item())"
     )
@@ -41,6 +45,7 @@ def test_start_and_collective_on_four_ranks(kernel):
 
 
 def test_namespace_and_torchrun_environment(kernel):
+    use_session(kernel, SESSION)
     cell = kernel.run(
         "%%dist\nimport os\n"
         "print(rank, world_size, local_rank, device, dist.is_initialized(),"
@@ -54,6 +59,7 @@ def test_namespace_and_torchrun_environment(kernel):
 
 
 def test_rank_subset_runs_only_there(kernel):
+    use_session(kernel, SESSION)
     out = text_of(kernel.run("%%dist --ranks 0,2\nprint('here', rank)"), "stdout")
     assert "[rank 0] here 0" in out and "[rank 2] here 2" in out
     assert "[rank 1]" not in out and "[rank 3]" not in out
@@ -62,11 +68,13 @@ def test_rank_subset_runs_only_there(kernel):
 
 
 def test_last_expression_is_shown_per_rank(kernel):
+    use_session(kernel, SESSION)
     out = text_of(kernel.run("%%dist\nrank * 10"))
     assert "[rank 3] 30" in out and "[rank 1] 10" in out
 
 
 def test_exception_on_one_rank_fails_the_cell_and_names_it(kernel):
+    use_session(kernel, SESSION)
     cell = kernel.run(
         "%%dist\nif rank == 1:\n    raise ValueError('boom on one')\nprint('ok', rank)",
         allow_error=True,
@@ -82,12 +90,14 @@ def test_exception_on_one_rank_fails_the_cell_and_names_it(kernel):
 
 
 def test_identical_tracebacks_are_grouped(kernel):
+    use_session(kernel, SESSION)
     cell = kernel.run("%%dist\nundefined_name", allow_error=True)
     tb = "\n".join(next(o for o in cell.outputs if o.output_type == "error").traceback)
     assert "[ranks 0-3]" in tb and tb.count("NameError") >= 1
 
 
 def test_pull_and_push(kernel):
+    use_session(kernel, SESSION)
     kernel.run("%%dist\nt = torch.full((2,), float(rank))")
     kernel.run("%dist_pull t")
     out = text_of(kernel.run("print(sorted(t), [v.tolist() for v in t.values()], type(t[0]))"))
@@ -99,6 +109,7 @@ def test_pull_and_push(kernel):
 
 
 def test_status_lists_every_rank(kernel):
+    use_session(kernel, SESSION)
     out = text_of(kernel.run("%dist_status"))
     for r in range(4):
         assert f"\n   {r} " in out
@@ -106,6 +117,7 @@ def test_status_lists_every_rank(kernel):
 
 
 def test_second_start_is_refused(kernel):
+    use_session(kernel, SESSION)
     before = {p.pid for p in kernel_children(kernel)}
     out = text_of(kernel.run("%dist_start --nprocs 2", allow_error=True))
     assert "already running" in out and "%dist_stop" in out
@@ -113,6 +125,7 @@ def test_second_start_is_refused(kernel):
 
 
 def test_stop_leaves_no_process_running(kernel):
+    use_session(kernel, SESSION)
     children = kernel_children(kernel)
     assert len(children) >= 5  # controller + 4 engines (and their nannies)
     kernel.run("%dist_stop")
@@ -145,6 +158,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("method", ["tcp", "file"])
 def test_init_methods_tcp_and_file(kernel, method, tmp_path):
+    use_session(kernel, None)
     url = f"tcp://127.0.0.1:{_free_port()}" if method == "tcp" else f"file://{tmp_path}/store"
     kernel.run(f"%dist_start --nprocs 2 --init-method {url}", timeout=180)
     out = text_of(
@@ -155,7 +169,7 @@ def test_init_methods_tcp_and_file(kernel, method, tmp_path):
 
 
 def test_collapse_merges_ranks_that_print_at_slightly_different_times(kernel):
-    kernel.run("%dist_start --nprocs 4", timeout=180)
+    use_session(kernel, SESSION)
     out = text_of(
         kernel.run("%%dist --collapse\nimport time\ntime.sleep(rank * 0.2)\nprint('same')")
     )
@@ -164,6 +178,7 @@ def test_collapse_merges_ranks_that_print_at_slightly_different_times(kernel):
 
 
 def test_start_shows_a_progress_bar_that_ends_complete(kernel):
+    use_session(kernel, None)
     cell = kernel.run("%dist_start --nprocs 2", timeout=180)
     bars = [o for o in cell.outputs if "%dist_start" in o.get("data", {}).get("text/plain", "")]
     assert bars, "a progress display"
