@@ -22,6 +22,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from .c10d import can_split, covers_world, group_timeout, pg_names, same_everywhere
 from .layout import DEFAULT_ORDER, DIMS, ENV_SIZES, ParallelLayout
 from .ranks import format_ranks
 
@@ -79,7 +80,7 @@ class ParallelGroups:
         self._cpu = cpu
         self.timeout = timeout  # every group's collective timeout; None: torch's default
         self._local_ok = False  # member-only creation allowed (set during a symmetric init)
-        self._mode = "split" if _can_split() else "new_group"
+        self._mode = "split" if can_split() else "new_group"
 
     # ---- public accessors
 
@@ -247,7 +248,7 @@ class ParallelGroups:
         self._local_ok = (
             self._mode == "new_group"
             and _DESTROYED_IN.get("world") is not self._world_pg
-            and _same_everywhere(len(_pg_names()))
+            and same_everywhere(len(pg_names()))
         )
         try:
             for kind in kinds:
@@ -287,7 +288,7 @@ class ParallelGroups:
         import torch.distributed as dist
 
         desc = f"inb_{label.replace(' ', '_')}"
-        if self._mode == "split" and whole_partition and _covers_world(partition):
+        if self._mode == "split" and whole_partition and covers_world(partition):
             self.creation_calls += 1
             self.how[label] = "split_group"
             return dist.split_group(split_ranks=partition, timeout=self.timeout, group_desc=desc)
@@ -384,66 +385,9 @@ def _forget(groups: ParallelGroups) -> None:
                 del _ACTIVE[key]
 
 
-def group_timeout(pg: ProcessGroup | None = None) -> timedelta | None:
-    """``pg``'s collective timeout (default: the world's, as init_process_group was given);
-    None when its backend does not say, and torch's default then applies."""
-    import torch
-    import torch.distributed as dist
-
-    pg = dist.group.WORLD if pg is None else pg
-    for device in ("cuda", "cpu"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except Exception:  # no backend for that device, or one without options
-            continue
-    return None
-
-
 def _as_timedelta(timeout: timedelta | float) -> timedelta:
     if isinstance(timeout, timedelta):
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a timedelta or positive seconds, got {timeout!r}.")
     return timedelta(seconds=timeout)
-
-
-def _can_split() -> bool:
-    """NCCL can split communicators only once the default group is bound to a device."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    default = _get_default_group()
-    if getattr(default, "bound_device_id", None) is None:
-        return False
-    try:
-        import torch
-
-        backend = default._get_backend(torch.device(default.bound_device_id.type))
-        return bool(backend.supports_splitting) and hasattr(dist, "split_group")
-    except Exception:
-        return False
-
-
-def _covers_world(partition: list[list[int]]) -> bool:
-    import torch.distributed as dist
-
-    return sum(len(g) for g in partition) == dist.get_world_size()
-
-
-def _pg_names() -> dict:
-    from torch.distributed.distributed_c10d import _world
-
-    return _world.pg_names
-
-
-def _same_everywhere(value: int) -> bool:
-    """True when ``value`` is equal on every rank (one tiny all_reduce on the default group)."""
-    import torch
-    import torch.distributed as dist
-
-    device = "cpu"
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        device = f"cuda:{torch.cuda.current_device()}"
-    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0]) == value and int(-t[1]) == value
