@@ -368,10 +368,8 @@ class DistMagics(Magics):
                 session, args.sizes, iters=args.iters, warmup=args.warmup, dtype=args.dtype,
                 progress=viz.Progress("%dist_bench p2p"),
             )  # fmt: skip
-            print(result.round(3).to_string())
-            hosts = [rs.host for rs in session.status()]
-            for kind, gbps in bench.p2p_by_locality(result, hosts).items():
-                print(f"mean {kind} send bandwidth: {gbps:.3f} GB/s")
+            text, hosts = bench.p2p_report(session, result)
+            print(text)
             fig = viz.p2p_heatmap(result, hosts=hosts)
         else:
             result = bench.run_bench(

@@ -362,7 +362,7 @@ def _choose_devices(
 
 
 def _check_layout(world: int, layout: dict) -> dict:
-    from .groups import ParallelLayout
+    from .layout import ParallelLayout
 
     given = {k: v for k, v in layout.items() if v is not None}
     try:

@@ -199,12 +199,29 @@ def test_sweep_world_and_tp_all_collectives_checked(session4):
     assert df.attrs["timer"] == "perf_counter" and df.attrs["iters"] == 3
 
 
+# The engine's check data, off by one in its first element on the rank that runs this.
+CORRUPT_RANK_1 = """
+import infini_notebook.bench_engine as _bench_engine
+_good_pattern = _bench_engine._pattern
+
+def _bad_pattern(torch, j, length, device, offset=0):
+    data = _good_pattern(torch, j, length, device, offset)
+    data[:1] += 1
+    return data
+
+_bench_engine._pattern = _bad_pattern
+"""
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "send_recv"])
 def test_check_catches_a_corrupted_rank(session4, collective):
-    df = bench.run_bench(
-        session4, collective, "tp", "1K", iters=1, warmup=0, check=True, progress=False,
-        corrupt_rank=1,
-    )  # fmt: skip
+    session4.run(CORRUPT_RANK_1, ranks=[1], echo=False)  # rank 1 fills one element wrong
+    try:
+        df = bench.run_bench(
+            session4, collective, "tp", "1K", iters=1, warmup=0, check=True, progress=False
+        )
+    finally:
+        session4.run("_bench_engine._pattern = _good_pattern", ranks=[1], echo=False)
     wrong = dict(zip(df["ranks"], df["wrong"]))
     assert wrong[(0, 1)] > 0  # rank 1's group sees the bad element
     assert wrong[(2, 3)] == 0
@@ -277,7 +294,7 @@ GPU_SCRIPT = textwrap.dedent(
         print(bench.format_table(df))
         # the CUDA-event timer on a copy of known size: 256 MiB read + written 10 times
         session.run(
-            "from infini_notebook import bench\n"
+            "from infini_notebook import bench_engine as bench\n"
             "src = torch.ones(64 << 20, device=device); dst = torch.empty_like(src)\n"
             "secs, timer = bench._timed(torch, dist, lambda: dst.copy_(src), 10, "
             "dist.group.WORLD, device, False)\n"
@@ -331,3 +348,16 @@ def test_p2p_by_locality_separates_intra_and_inter_node_pairs():
     m = pd.DataFrame([[np.nan, 10.0, 1.0], [10.0, np.nan, 2.0], [1.0, 2.0, np.nan]])
     got = bench.p2p_by_locality(m, ["a", "a", "b"])
     assert got == {"intra-node": 10.0, "inter-node": 1.5}
+
+
+def test_p2p_summary_prints_the_matrix_and_the_means_by_locality():
+    import numpy as np
+    import pandas as pd
+
+    m = pd.DataFrame([[np.nan, 10.0, 1.0], [10.0, np.nan, 2.0], [1.0, 2.0, np.nan]])
+    lines = bench.p2p_summary(m, ["a", "a", "b"]).splitlines()
+    assert lines[-2:] == [
+        "mean intra-node send bandwidth: 10.000 GB/s",
+        "mean inter-node send bandwidth: 1.500 GB/s",
+    ]
+    assert lines[:-2] == m.round(3).to_string().splitlines()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from infini_notebook.groups import DIMS, ParallelLayout
 
-GROUPS_PY = Path(__file__).resolve().parents[1] / "infini_notebook" / "groups.py"
+LAYOUT_PY = Path(__file__).resolve().parents[1] / "infini_notebook" / "layout.py"
 
 
 # ------------------------------------------------------------------ references (independent)
@@ -103,6 +103,14 @@ def test_worked_example_default_order():
     assert layout.groups("cp") == [[r] for r in range(8)]
     assert layout.describe() == "world 8 = tp 2 x dp 2 x pp 2 (order tp-cp-dp-pp)"
     assert ParallelLayout(1).describe() == "world 1 = dp 1 (order tp-cp-dp-pp)"
+
+
+def test_active_dims_are_the_dims_of_size_above_one_in_layout_order():
+    assert ParallelLayout(8, tp=2, pp=2).active_dims == ("tp", "dp", "pp")
+    layout = ParallelLayout(8, tp=2, pp=4, order="pp-cp-dp-tp")
+    assert layout.active_dims == ("pp", "tp")
+    assert layout.describe() == "world 8 = tp 2 x pp 4 (order pp-cp-dp-tp)"  # dims in DIMS order
+    assert ParallelLayout(1).active_dims == ()
 
 
 def test_worked_example_picotron_order():
@@ -302,8 +310,8 @@ def test_65536_ranks_every_group_of_every_kind_well_under_a_second():
 def test_layout_module_imports_without_torch():
     code = (
         "import importlib.util, sys, time\n"
-        f"spec = importlib.util.spec_from_file_location('groups_alone', {str(GROUPS_PY)!r})\n"
-        "mod = importlib.util.module_from_spec(spec); sys.modules['groups_alone'] = mod\n"
+        f"spec = importlib.util.spec_from_file_location('layout_alone', {str(LAYOUT_PY)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['layout_alone'] = mod\n"
         "t = time.perf_counter()\n"
         "spec.loader.exec_module(mod)\n"
         "print(time.perf_counter() - t, 'torch' in sys.modules, 'numpy' in sys.modules)\n"
