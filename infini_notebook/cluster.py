@@ -35,6 +35,7 @@ from .output import (
 )
 from .plan import LOOPBACK, SessionPlan, is_loopback, make_plan
 from .ranks import parse_ranks, rank_label
+from .state import RankState
 
 log = logging.getLogger("infini_notebook")
 
@@ -56,24 +57,6 @@ class CellResult:
     report: str = ""  # the labeled tracebacks, identical ones grouped
     elapsed: float = 0.0
     timed_out: list[int] = field(default_factory=list)  # ranks whose collective timed out
-
-
-@dataclass
-class RankState:
-    rank: int
-    pid: int
-    host: str
-    device: str
-    device_name: str
-    state: str  # idle, busy, error, dead
-    coords: dict = field(default_factory=dict)
-    memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)
-    exit_code: int | None = None
-    # live, from the rank's telemetry thread (engine.TELEMETRY_FIELDS); None until it reports
-    memory_total: int | None = None
-    gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank
-    rss: int | None = None  # the rank's process (bytes)
-    cpu_percent: float | None = None  # 100 = one core busy
 
 
 def current() -> Session | None:

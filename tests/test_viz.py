@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,8 +13,8 @@ import pytest
 from conftest import text_of
 
 from infini_notebook import viz
-from infini_notebook.cluster import RankState
 from infini_notebook.groups import ParallelLayout
+from infini_notebook.state import RankState
 
 WIDGET = viz.WIDGET_MIME
 
@@ -78,6 +80,39 @@ def test_selection_outlines_all_groups_of_the_rank():
     text = viz.selection_text(layout, 5, "tp")
     assert "rank 5 (tp1 dp0 pp1)" in text
     assert "tp: [4,5]" in text and "dp: [5,7]" in text and "pp: [1,5]" in text
+
+
+def test_groups_listed_as_compact_rank_ranges():
+    layout = ParallelLayout(8, tp=2, dp=2, pp=2)  # a tp-pp group is two runs: 0-1 and 4-5
+    assert "A=[0-1,4-5]  B=[2-3,6-7]" in viz.layout_text(layout, "tp-pp")
+    assert "[0-1,4-5]" in viz.groups_legend(layout, "tp-pp", None)
+    strided = ParallelLayout(32, tp=2)  # dp groups of 16 ranks, stride 2
+    assert "[0,2,4,6,8,10,12,14,16,18,20,22,…]" in viz.layout_text(strided, "dp")
+
+
+def test_layout_and_status_render_without_widgets():
+    """Showing a layout or a status table (nbconvert, a terminal) loads neither ipywidgets nor
+    matplotlib: the pure renderers are a module of their own."""
+    code = (
+        "import sys\n"
+        "from infini_notebook.viz import render, status_render\n"
+        "from infini_notebook.groups import ParallelLayout\n"
+        "from infini_notebook import viz\n"
+        "ParallelLayout(4, tp=2)._repr_html_()\n"
+        "viz.status_text([]), viz.layout_text(ParallelLayout(4, tp=2))\n"
+        "print(sorted(m for m in ('ipywidgets', 'matplotlib') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_byte_sizes_in_both_styles():
+    """Memory reads ``310.0 MiB``; message sizes read as nccl-tests prints them (``4K``)."""
+    assert viz.format_bytes(512) == "512 B" and viz.format_bytes(310 << 20) == "310.0 MiB"
+    assert viz.format_bytes(80 << 30) == "80.0 GiB" and viz._bytes(3 << 9) == "1.5 KiB"
+    assert viz.size_label(512) == "512" and viz.size_label(1 << 10) == "1K"
+    assert viz.size_label(3 << 19) == "1.5M" and viz.size_label(4 << 30) == "4G"
 
 
 def test_groups_spanning_hosts_are_marked():

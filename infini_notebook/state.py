@@ -1,0 +1,24 @@
+"""Plain data the kernel side hands to renderers (viz) and users. Pure: no imports beyond the
+standard library, so viz can type against it without importing the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankState:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    device_name: str
+    state: str  # idle, busy, error, dead
+    coords: dict = field(default_factory=dict)
+    memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)
+    exit_code: int | None = None
+    # live, from the rank's telemetry thread (engine.TELEMETRY_FIELDS); None until it reports
+    memory_total: int | None = None
+    gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank
+    rss: int | None = None  # the rank's process (bytes)
+    cpu_percent: float | None = None  # 100 = one core busy

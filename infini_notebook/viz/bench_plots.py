@@ -1,0 +1,199 @@
+"""Benchmark figures (matplotlib, imported when drawn): bandwidth curves per group kind, the
+p2p sender x receiver heatmap, PNG/HTML of a figure, and ``BenchView``, the widget that
+switches collective, group and metric."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from .render import size_label
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+FIGURE_DPI = 100
+METRICS = {"busbw_gbps": "busbw (GB/s)", "algbw_gbps": "algbw (GB/s)"}
+
+
+def bench_curves(
+    df: pd.DataFrame, collective: str, metric: str = "busbw_gbps", group: str | None = None
+) -> dict[str, pd.DataFrame]:
+    """Per group: size_bytes with mean/min/max of ``metric`` over that kind's group instances."""
+    rows = df[df["collective"] == collective]
+    if group not in (None, "all"):
+        rows = rows[rows["group"] == group]
+    curves = {}
+    for name, part in rows.groupby("group", sort=False):
+        agg = part.groupby("size_bytes")[metric].agg(["mean", "min", "max"]).reset_index()
+        curves[str(name)] = agg.sort_values("size_bytes")
+    return curves
+
+
+def plot_busbw(
+    df: pd.DataFrame,
+    collective: str | None = None,
+    metric: str = "busbw_gbps",
+    group: str | None = None,
+) -> Figure:
+    """Bandwidth against message size, one panel per collective (or just ``collective``),
+    one line per group kind; shading spans the groups of a kind when they differ."""
+    from matplotlib.figure import Figure
+
+    collectives = [collective] if collective else list(dict.fromkeys(df["collective"]))
+    ncols = min(3, max(1, len(collectives)))
+    nrows = math.ceil(len(collectives) / ncols) if collectives else 1
+    fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, name in zip(axes, collectives):
+        _plot_curves(ax, bench_curves(df, name, metric, group), metric)
+        ax.set_title(name)
+    for ax in axes[len(collectives) :]:
+        ax.set_visible(False)
+    if not collectives:
+        axes[0].text(0.5, 0.5, "no benchmark rows", ha="center", va="center")
+    return fig
+
+
+def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
+    for i, (name, c) in enumerate(curves.items()):
+        color = f"C{i}"
+        ax.plot(c["size_bytes"], c["mean"], marker="o", ms=3, label=name, color=color)
+        if (c["max"] > c["min"]).any():
+            ax.fill_between(c["size_bytes"], c["min"], c["max"], alpha=0.2, color=color)
+    ax.set_xscale("log", base=2)
+    if all((c["min"] > 0).all() for c in curves.values()) and curves:
+        ax.set_yscale("log")  # small messages are orders of magnitude slower
+    ax.xaxis.set_major_formatter(_size_formatter())
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel(METRICS.get(metric, metric))
+    ax.grid(True, which="both", alpha=0.3)
+    if curves:
+        ax.legend(title="group", fontsize=8, title_fontsize=8)
+
+
+def _size_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda x, _pos: size_label(x))
+
+
+def p2p_heatmap(
+    matrix: Any, title: str | None = None, hosts: Sequence[str] | None = None
+) -> Figure:
+    """Sender x receiver bandwidth (``bench.run_p2p``'s src x dst DataFrame, or any square
+    array; NaN diagonal left blank): a slow link is a dark cell, a slow rank a dark row and
+    column. Values are printed in the cells up to 16 ranks. ``hosts`` (one per rank): white
+    lines fence each host's block, so intra-node pairs sit on the diagonal blocks."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    values = np.asarray(getattr(matrix, "values", matrix), dtype=float)
+    n = values.shape[0]
+    index, columns = getattr(matrix, "index", None), getattr(matrix, "columns", None)
+    side = min(max(n, 4), 20)
+    fig = Figure(figsize=(1.6 + 0.5 * side, 1.0 + 0.45 * side), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis")
+    fig.colorbar(image, ax=ax, shrink=0.85, label="GB/s")
+    ax.set_xticks(range(n), labels=[str(c) for c in (columns if columns is not None else range(n))])
+    ax.set_yticks(range(n), labels=[str(i) for i in (index if index is not None else range(n))])
+    ax.set_xlabel(f"{getattr(columns, 'name', None) or 'receiver'} rank")
+    ax.set_ylabel(f"{getattr(index, 'name', None) or 'sender'} rank")
+    size = getattr(matrix, "attrs", {}).get("size_bytes")
+    ax.set_title(title or "send/recv bandwidth" + (f", {size_label(size)}B" if size else ""))
+    if hosts is not None and len(set(hosts)) > 1:
+        for i in range(n - 1):
+            if hosts[i] != hosts[i + 1]:
+                ax.axhline(i + 0.5, color="white", linewidth=2)
+                ax.axvline(i + 0.5, color="white", linewidth=2)
+    if n <= 16 and np.isfinite(values).any():
+        top = np.nanmax(values)
+        for (i, j), v in np.ndenumerate(values):
+            if np.isfinite(v):
+                color = "black" if v > 0.6 * top else "white"
+                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color=color)
+    return fig
+
+
+def figure_png(fig: Figure, dpi: int = FIGURE_DPI) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def figure_html(fig: Figure) -> str:
+    data = base64.b64encode(figure_png(fig)).decode()
+    return f'<img class="infini-figure" src="data:image/png;base64,{data}">'
+
+
+def bench_summary(df: pd.DataFrame, metric: str = "busbw_gbps") -> pd.DataFrame:
+    """Peak ``metric`` per collective and group, with the size it was reached at."""
+    best = df.loc[df.groupby(["collective", "group"], sort=False)[metric].idxmax()]
+    out = best[["collective", "group", "group_size", "size_bytes", metric]].copy()
+    out["size"] = out["size_bytes"].map(size_label)
+    return out.drop(columns="size_bytes").reset_index(drop=True)
+
+
+class BenchView(widgets.VBox):
+    """Benchmark rows as a widget: pick the collective and group kind, busbw or algbw; the
+    figure (a PNG image widget) redraws on each change. ``p2p``: optional sender x receiver
+    matrix shown as a heatmap below."""
+
+    def __init__(self, df: pd.DataFrame, p2p: Any = None):
+        self.df = df
+        self.p2p = p2p
+        collectives = list(dict.fromkeys(df["collective"]))
+        self.collective = widgets.Dropdown(options=collectives, description="collective")
+        groups = ["all", *dict.fromkeys(df["group"])]
+        self.group = widgets.Dropdown(options=groups, value="all", description="group")
+        self.metric = widgets.ToggleButtons(
+            options=[("busbw", "busbw_gbps"), ("algbw", "algbw_gbps")], value="busbw_gbps"
+        )
+        self.image = widgets.Image(format="png")
+        self.image.add_class("infini-figure")
+        self.figure: Figure | None = None
+        children = [widgets.HBox([self.collective, self.group, self.metric]), self.image]
+        if p2p is not None:
+            heat_fig = p2p_heatmap(p2p)
+            heat = widgets.Image(value=figure_png(heat_fig), format="png")
+            heat.layout.width = f"{int(heat_fig.get_figwidth() * FIGURE_DPI)}px"
+            heat.add_class("infini-figure")
+            children.append(heat)
+        super().__init__(children)
+        self.add_class("infini-bench")
+        for control in (self.collective, self.group, self.metric):
+            control.observe(lambda _: self.redraw(), names="value")
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.figure = plot_busbw(
+            self.df, self.collective.value, self.metric.value, self.group.value
+        )
+        self.image.value = figure_png(self.figure)
+        width = int(self.figure.get_figwidth() * FIGURE_DPI)
+        self.image.layout.width = f"{width}px"  # natural size: a stretched PNG reads badly
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        metric = self.metric.value
+        parts = [figure_html(plot_busbw(self.df, metric=metric))]
+        if self.p2p is not None:
+            parts.append(figure_html(p2p_heatmap(self.p2p)))
+        summary = bench_summary(self.df, metric)
+        parts.append(summary.to_html(index=False))
+        bundle["text/html"] = "".join(parts)
+        bundle["text/plain"] = f"peak {METRICS[metric]} per collective and group\n" + (
+            summary.to_string(index=False)
+        )
+        return bundle
+
+
+def bench_view(df: pd.DataFrame, p2p: Any = None) -> BenchView:
+    return BenchView(df, p2p)

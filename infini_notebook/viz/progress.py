@@ -1,0 +1,87 @@
+"""Sinks the kernel side feeds through callbacks, so it never renders itself: ``Progress``
+(start-up, sweeps) and ``OutputPrinter`` (a ``%%dist --background`` cell)."""
+
+from __future__ import annotations
+
+import time
+
+import ipywidgets as widgets
+
+from ..output import prefix_lines
+from .render import esc
+
+
+def in_kernel() -> bool:
+    """Widgets need a kernel with comms; a terminal IPython gets text only."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+class OutputPrinter:
+    """Where a background ``%%dist`` cell writes: an Output widget shown in its cell, filled
+    from the session's thread while the notebook runs other cells."""
+
+    def __init__(self) -> None:
+        self.widget = widgets.Output()
+        self.widget.add_class("infini-background")
+
+    def out(self, text: str) -> None:
+        if text:
+            self.widget.append_stdout(text)
+
+    def err(self, text: str) -> None:
+        if text:
+            self.widget.append_stderr(text)
+
+    def display(self, label: str, output: dict) -> None:
+        data = output.get("data", {})
+        if set(data) == {"text/plain"}:
+            self.out(prefix_lines(label, data["text/plain"]))
+            return
+        self.out(f"{label}\n")
+        self.widget.append_display_data({"data": data, "metadata": output.get("metadata", {})})
+
+
+class Progress:
+    """A progress bar drawn as a display updated in place (display_id): live while work
+    runs, and a saved notebook keeps its last state (a saved widget reads '0%').
+    Call it as ``progress(done, total, what)``; outside a kernel it stays silent."""
+
+    WIDTH = 30
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self._t0 = time.monotonic()
+        self._shown_at = 0.0
+        self._handle = None
+        self._state = (0, 0, "")
+        if in_kernel():
+            from IPython.display import display
+
+            self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        self._state = (done, total, what)
+        now = time.monotonic()
+        if self._handle is None or (now - self._shown_at < 0.1 and done < total):
+            return
+        self._shown_at = now
+        self._handle.update(self._bundle(), raw=True)
+
+    def _bundle(self) -> dict:
+        done, total, what = self._state
+        frac = done / total if total else 0.0
+        filled = int(round(frac * self.WIDTH))
+        elapsed = time.monotonic() - self._t0
+        tail = f"{done}/{total} {what} ({elapsed:.1f} s)" if total else "starting..."
+        text = f"{self.desc}: [{'#' * filled}{'.' * (self.WIDTH - filled)}] {tail}"
+        html = (
+            f'<div class="infini-progress">{esc(self.desc)}: '
+            f'<progress value="{done}" max="{max(total, 1)}" style="width:14em"></progress> '
+            f"{esc(tail)}</div>"
+        )
+        return {"text/plain": text, "text/html": html}

@@ -1,0 +1,159 @@
+"""``StatusWidget``: live tiles, one per rank, refreshed by a background thread from a status
+source (the session, duck-typed: viz never imports the cluster), and the registry that shares
+one widget per session between ``%dist_status`` and the session's own display."""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Protocol
+
+import ipywidgets as widgets
+
+from .progress import in_kernel
+from .render import CSS, esc, grid_shape
+from .status_render import status_html, status_summary, status_text, status_tile_html
+
+if TYPE_CHECKING:
+    from ..groups import ParallelLayout
+    from ..state import RankState
+
+
+class StatusSource(Protocol):
+    """What the status views read (``cluster.Session`` is one): plain snapshots, no engines."""
+
+    world_size: int
+    running: bool
+
+    @property
+    def layout(self) -> ParallelLayout: ...  # may raise: a plan without layout sizes
+
+    def status(self) -> list[RankState]: ...
+
+
+class StatusWidget(widgets.VBox):
+    """Live rank tiles for a session: a daemon thread polls ``session.status()`` every
+    ``interval`` seconds (the kernel stays free) and stops when the session stops or on
+    ``close()``. ``refresh()`` does one poll by hand."""
+
+    def __init__(self, session: StatusSource, interval: float = 0.5, live: bool = True):
+        self.session = session
+        self.interval = interval
+        self.layout_ = _session_layout(session)
+        self.states: list[str] = []
+        self._busy_since: dict[int, float] = {}  # rank -> when this widget first saw it busy
+        self.summary = widgets.HTML()
+        self.tiles = [widgets.HTML() for _ in range(session.world_size)]
+        for tile in self.tiles:
+            tile.add_class("infini-rank-tile-box")
+        cols = grid_shape(self.layout_).ncols if self.layout_ is not None else 4
+        grid = widgets.GridBox(
+            self.tiles,
+            layout=widgets.Layout(
+                grid_template_columns=f"repeat({min(cols, 8)}, max-content)", grid_gap="6px"
+            ),
+        )
+        super().__init__([widgets.HTML(CSS), self.summary, grid])
+        self.add_class("infini-status")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refresh()
+        if live:
+            self.start()
+
+    def refresh(self) -> list[RankState]:
+        """Poll once and update the tiles (only changed ones send anything to the browser)."""
+        states = self.session.status()
+        self.states = [rs.state for rs in states]
+        now = time.monotonic()
+        for tile, rs in zip(self.tiles, states):
+            if rs.state != "busy":
+                self._busy_since.pop(rs.rank, None)
+            since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
+            tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
+        self.summary.value = f'<div class="infini-title">{esc(status_summary(states))}</div>'
+        return states
+
+    @property
+    def live(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.live:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._poll, name="infini-status", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception:  # a poll must never kill the kernel's display; try again
+                continue
+            if not self.session.running:
+                return  # the last refresh showed "stopped"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop polling and wait for the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        states = self.session.status()
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        bundle["text/html"] = status_html(states, self.layout_)
+        bundle["text/plain"] = status_text(states, self.layout_)
+        return bundle
+
+
+def _session_layout(session: StatusSource) -> ParallelLayout | None:
+    try:
+        return session.layout
+    except Exception:  # a plan without layout sizes: tiles still work, coords stay raw
+        return None
+
+
+_status_widgets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def status_widget(session: StatusSource, interval: float = 0.5) -> StatusWidget:
+    """The session's status widget, made once and shared (``%dist_status`` and the session's
+    own display show the same live tiles, like dask's cluster widget)."""
+    widget = _status_widgets.get(session)
+    if widget is None or widget.comm is None or (session.running and not widget.live):
+        if widget is not None:
+            widget.close()
+        widget = StatusWidget(session, interval=interval)
+        _status_widgets[session] = widget
+    return widget
+
+
+def close_status_widgets() -> None:
+    """Stop every status widget's thread (tests, kernel shutdown)."""
+    for widget in list(_status_widgets.values()):
+        widget.close()
+    _status_widgets.clear()
+
+
+def session_mimebundle(session: StatusSource) -> dict:
+    """What a session shows as a cell's value: the live widget in a kernel, else HTML/text."""
+    header = repr(session)
+    if in_kernel() and session.running:
+        bundle = status_widget(session)._repr_mimebundle_()
+    else:
+        states = session.status()
+        layout = _session_layout(session)
+        bundle = {
+            "text/html": status_html(states, layout),
+            "text/plain": status_text(states, layout),
+        }
+    bundle["text/plain"] = f"{header}\n{bundle['text/plain']}"
+    return bundle

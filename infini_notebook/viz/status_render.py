@@ -1,0 +1,117 @@
+"""Pure renderers of rank status: a rank's tile, device and usage text, the summary line, and
+the static HTML and text of all ranks (what ``StatusWidget`` shows, and what a saved notebook
+or a terminal keeps). Fed ``RankState`` snapshots; no ipywidgets, no IPython.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .render import CSS, coords_label, esc, format_bytes, grid_shape
+
+if TYPE_CHECKING:
+    from ..groups import ParallelLayout
+    from ..state import RankState
+
+STATE_COLORS = {
+    "idle": "#2e9d4f",
+    "busy": "#e0a100",
+    "error": "#d33c3c",
+    "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
+    "dead": "#444444",
+    "stopped": "#9e9e9e",
+}
+BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
+
+
+def device_label(rs: RankState) -> str:
+    """``cpu`` or ``cuda:0 NVIDIA H100``."""
+    if not str(rs.device).startswith("cuda"):
+        return str(rs.device)
+    return f"{rs.device} {rs.device_name}"
+
+
+def usage_text(rs: RankState) -> str:
+    """What the rank uses now, from its telemetry: ``12.1 GiB of 79.6 GiB · util 87%`` on a
+    GPU, ``RSS 310.2 MiB · CPU 98%`` on a CPU; empty for a rank that is gone or not reported."""
+    if rs.state in ("dead", "stopped"):  # the last numbers would be stale
+        return ""
+    parts = []
+    if str(rs.device).startswith("cuda"):
+        if rs.memory_used is not None:
+            total = f" of {format_bytes(rs.memory_total)}" if rs.memory_total else " used"
+            parts.append(f"{format_bytes(rs.memory_used)}{total}")
+        if rs.gpu_util is not None:
+            parts.append(f"util {rs.gpu_util:.0f}%")
+    else:
+        if rs.rss is not None:
+            parts.append(f"RSS {format_bytes(rs.rss)}")
+        if rs.cpu_percent is not None:
+            parts.append(f"CPU {rs.cpu_percent:.0f}%")
+    return " · ".join(parts)
+
+
+def device_text(rs: RankState) -> str:
+    """``cpu · RSS 310.2 MiB · CPU 98%`` or ``cuda:0 NVIDIA H100 · 1.2 GiB of 79.6 GiB``."""
+    return " · ".join(part for part in (device_label(rs), usage_text(rs)) if part)
+
+
+def state_text(rs: RankState, busy_for: float | None = None) -> str:
+    """``busy 1m05s`` once a rank has been busy a while: a long one may be stuck."""
+    if rs.state == "dead" and rs.exit_code is not None:
+        return f"dead (exit {rs.exit_code})"
+    if rs.state == "busy" and busy_for is not None and busy_for >= BUSY_SHOWN_AFTER_S:
+        minutes, seconds = divmod(int(busy_for), 60)
+        return f"busy {minutes}m{seconds:02d}s" if minutes else f"busy {seconds}s"
+    return rs.state
+
+
+def status_tile_html(
+    rs: RankState, layout: ParallelLayout | None = None, busy_for: float | None = None
+) -> str:
+    """One rank's status tile; the border and badge color follow its state."""
+    color = STATE_COLORS.get(rs.state, "#777")
+    return (
+        f'<div class="infini-rank-tile infini-state-{esc(rs.state)}" data-rank="{rs.rank}" '
+        f'style="border-left-color:{color}">'
+        f'<span class="infini-state" style="background:{color}">'
+        f"{esc(state_text(rs, busy_for))}</span>"
+        f"<b>rank {rs.rank}</b> &nbsp;{esc(coords_label(rs.coords, layout))}<br>"
+        f'<span class="infini-muted">{esc(rs.host)} · pid {rs.pid}</span><br>'
+        f"{esc(device_label(rs))}<br>"
+        f'<span class="infini-usage">{esc(usage_text(rs))}</span></div>'
+    )
+
+
+def status_summary(states: Sequence[RankState]) -> str:
+    """``4 ranks: 2 busy, 2 idle``."""
+    counts: dict[str, int] = {}
+    for rs in states:
+        counts[rs.state] = counts.get(rs.state, 0) + 1
+    order = ["busy", "stuck", "error", "dead", "idle", "stopped"]
+    order += sorted(s for s in counts if s not in order)  # a state added later still counts
+    parts = [f"{counts[s]} {s}" for s in order if s in counts]
+    return f"{len(states)} ranks: " + ", ".join(parts)
+
+
+def status_html(states: Sequence[RankState], layout: ParallelLayout | None = None) -> str:
+    tiles = "".join(status_tile_html(rs, layout) for rs in states)
+    cols = grid_shape(layout).ncols if layout is not None else 4
+    grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
+    return (
+        f'{CSS}<div class="infini-status"><div class="infini-title">'
+        f'{esc(status_summary(states))}</div><div style="{grid}">{tiles}</div></div>'
+    )
+
+
+def status_text(states: Sequence[RankState], layout: ParallelLayout | None = None) -> str:
+    rows = [status_summary(states)]
+    rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
+    for rs in states:
+        coords = coords_label(rs.coords, layout)
+        rows.append(
+            f"{rs.rank:>4}  {state_text(rs):<13} {coords:<14} {rs.host[:16]:<16} "
+            f"{rs.pid:>7}  {device_text(rs)}"
+        )
+    return "\n".join(rows)
