@@ -96,7 +96,7 @@ class GridShape:
 def grid_shape(layout: ParallelLayout) -> GridShape:
     """Split the non-trivial dims (fastest first) where the grid is closest to square,
     preferring wide; a prefix split keeps ranks in reading order (rank = row*ncols + col)."""
-    dims = [d for d in layout.dims if getattr(layout, d) > 1]
+    dims = list(layout.active_dims)
     if len(dims) <= 1:  # one dim: a single row, wrapped if very wide
         ncols = _wrap_width(layout.world_size)
         return GridShape(tuple(dims), (), layout.world_size // ncols, ncols)
@@ -120,7 +120,7 @@ def _wrap_width(n: int) -> int:
 
 def coords_label(coords: Mapping[str, int], layout: ParallelLayout | None = None) -> str:
     """``tp1 dp0``: the rank's coordinates along dims of size > 1 (all dims if none)."""
-    dims = [d for d in coords if layout is None or getattr(layout, d) > 1]
+    dims = [d for d in coords if layout is None or d in layout.active_dims]
     return " ".join(f"{d}{coords[d]}" for d in (dims or list(coords)))
 
 
@@ -144,7 +144,7 @@ def row_label(layout: ParallelLayout, shape: GridShape, row: int) -> str:
 
 def default_color_kind(layout: ParallelLayout) -> str:
     """The fastest dim of size > 1 (tp on most layouts): its groups are the grid's rows."""
-    return next((d for d in layout.dims if getattr(layout, d) > 1), layout.dims[0])
+    return next(iter(layout.active_dims), layout.dims[0])
 
 
 def color_kinds(layout: ParallelLayout) -> list[str]:
@@ -176,7 +176,7 @@ def spanning_groups(groups: list[list[int]], hosts: Sequence[str] | None) -> set
 
 def focus_kinds(layout: ParallelLayout, color_by: str) -> list[str]:
     """The kinds listed when a rank is selected: each dim of size > 1, then ``color_by``."""
-    kinds = [d for d in layout.dims if getattr(layout, d) > 1]
+    kinds = list(layout.active_dims)
     color_by = layout.normalize_kind(color_by)
     return kinds + ([color_by] if color_by not in kinds else [])
 
