@@ -84,13 +84,13 @@ CELLS = [
     they would in training, so a shared link shows up as a slower group. The output is
     nccl-tests' table, one block per (collective, group kind) with one row per group, then a
     figure: busbw against size, one line per kind, the band spanning the groups of a kind
-    when they differ. `-o df` keeps the rows as a pandas DataFrame.
+    when they differ. `df = %dist_bench ...` keeps the rows as a pandas DataFrame.
 
     Sizes stay small here (`--sizes 4K:16M`, doubling each step) so the sweep takes seconds
     on CPU; on GPUs use the default, 4K:1G, because busbw there only levels off at tens to
     hundreds of megabytes.
     """),
-    code("%dist_bench all_reduce --group world tp dp --sizes 4K:16M -o df"),
+    code("df = %dist_bench all_reduce --group world tp dp --sizes 4K:16M"),
     md("""
     Reading it:
 
@@ -153,7 +153,7 @@ CELLS = [
     `all` sweeps the seven collectives of nccl-tests. `--factor 4` steps the size by 4
     instead of 2, for a quicker look. The figure gets one panel per collective.
     """),
-    code("%dist_bench all --sizes 16K:1M --factor 4 -o df_all"),
+    code("df_all = %dist_bench all --sizes 16K:1M --factor 4"),
     md("""
     At the largest size, algbw and busbw side by side. algbw mixes two things: how fast the
     links are and how much traffic the collective needs per byte of result (an all_reduce
@@ -178,7 +178,10 @@ CELLS = [
     multi-node job tests each node of 8 GPUs on its own. (With 4 ranks, `chunks:2` happens to
     give the tp pairs.)
     """),
-    code("%dist_bench all_reduce all_gather reduce_scatter --group chunks:2 --sizes 256K --check"),
+    code(
+        "checked = %dist_bench all_reduce all_gather reduce_scatter --group chunks:2 "
+        "--sizes 256K --check"
+    ),
     md("""
     ## 6. Rank to rank: `%dist_bench p2p`
 
@@ -187,7 +190,7 @@ CELLS = [
     sender × receiver matrix of GB/s. A slow link is one dark cell; a slow rank a dark row
     and column; on a multi-node job, the blocks along the diagonal are the nodes.
     """),
-    code("%dist_bench p2p --sizes 1M -o p2p"),
+    code("p2p = %dist_bench p2p --sizes 1M"),
     md("""
     Before blaming a link, measure again. `bench.run_p2p` is the function behind the magic;
     dividing a second run by the first shows how much each cell moves on its own:
@@ -260,7 +263,8 @@ CELLS = [
       with the hardware's peak.
     - `%dist_bench COLLECTIVE ... --group world tp dp ... --sizes MIN:MAX` sweeps per group
       kind, all groups of a kind at once; `all` for every collective; `chunks:N` for runs
-      of N consecutive ranks; `--check` counts wrong elements; `-o df` keeps a DataFrame.
+      of N consecutive ranks; `--check` counts wrong elements; `df = %dist_bench ...` keeps
+      the DataFrame.
     - `%dist_bench p2p` finds the one slow link; `viz.bench_view(df, p2p=...)` browses it
       all.
     - Read the flat right end of each curve; on CPU the numbers teach the method, on GPUs
