@@ -34,7 +34,8 @@ def current():
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import DistMagics, record_outcome
+    from .export import record_outcome
+    from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
     if record_outcome not in ipython.events.callbacks["post_run_cell"]:

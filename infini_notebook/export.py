@@ -13,12 +13,15 @@ IPython-only lines inside a ``%%dist`` cell. ``--background`` cells run inline, 
 succeeded (the magic returns before they end).
 
 Flags are parsed by the magics' own parsers, passed in as functions, so this module needs
-neither IPython nor torch.
+neither IPython nor torch. The only side effects are at the edges: each cell's outcome is
+recorded by an IPython hook (``record_outcome``), and ``write_script`` checks the path and
+writes the file.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import textwrap
 from collections.abc import Callable, Sequence
@@ -37,6 +40,20 @@ class HistoryCell:
     number: int
     source: str
     ok: bool | None = True
+
+
+# In[n] -> whether that cell succeeded (post_run_cell hook): %dist_export leaves failed cells out.
+CELL_OUTCOMES: dict[int, bool] = {}
+
+
+def record_outcome(result) -> None:
+    if result.execution_count is not None:
+        CELL_OUTCOMES[result.execution_count] = bool(result.success)
+
+
+def history(raw: Sequence[str]) -> list[HistoryCell]:
+    """The kernel's raw input history (``In``; In[0] is empty) with each cell's outcome."""
+    return [HistoryCell(n, raw[n], CELL_OUTCOMES.get(n)) for n in range(1, len(raw))]
 
 
 @dataclass(frozen=True)
@@ -354,3 +371,35 @@ device, groups, mesh, layout = ns["device"], ns["groups"], ns["mesh"], ns["layou
 
 
 _FOOTER = "\n\n\ndist.destroy_process_group()\n"
+
+
+def pick_settings(session, start_line: str | None, parse_start: Callable) -> Settings:
+    """The running session's settings, else those of this kernel's last ``%dist_start`` line
+    (parsed by ``parse_start``)."""
+    if session is not None:
+        return Settings(session.layout, session.plan.backend, session.plan.timeout)
+    if start_line is not None:
+        return settings_from_start(parse_start(start_line))
+    raise DistUsageError(
+        "No session is running and no %dist_start ran in this kernel, so the layout "
+        "is unknown: start a session with %dist_start, then run %dist_export."
+    )
+
+
+def check_path(path: str, force: bool) -> None:
+    """Refuse a folder, a missing folder, or an existing file without ``force``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
+    if not os.path.isdir(folder):
+        raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
+    if os.path.exists(path) and not force:
+        raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")
+
+
+def write_script(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise DistUsageError(f"Cannot write {path!r}: {e.strerror}.") from None

@@ -12,9 +12,10 @@ import time
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import cluster
+from . import automode, cluster
+from .automode import AUTO_MARKER
 from .errors import DistUsageError
-from .output import main_thread_stack, rank_values_repr
+from .output import RankValues, main_thread_stack
 from .ranks import parse_where
 
 
@@ -25,45 +26,11 @@ def _session() -> cluster.Session:
     return session
 
 
-# In[n] -> whether that cell succeeded (post_run_cell hook): %dist_export leaves failed cells out.
-CELL_OUTCOMES: dict[int, bool] = {}
-
-
-def record_outcome(result) -> None:
-    if result.execution_count is not None:
-        CELL_OUTCOMES[result.execution_count] = bool(result.success)
-
-
 def _unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around a quoted value."""
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
-
-
-class RankValues(dict):
-    """``{rank: value}``, as ``%dist_pull`` returns it: a dict whose notebook display shows
-    one short line per rank, so a bare ``%dist_pull big`` does not flood the page."""
-
-    def _repr_pretty_(self, p, cycle) -> None:
-        p.text(rank_values_repr(self))
-
-
-AUTO_MARKER = "%%dist (auto)"  # first line of every cell auto mode sends to the ranks
-
-
-def auto_cell_lines(lines: list[str]) -> list[str]:
-    """IPython input transformer for auto mode: a plain cell becomes one call that runs it
-    through %%dist_auto; a cell whose first code line is a magic, a shell escape or help
-    (%dist_status, %dist_auto off, !ls) is left to run in the kernel."""
-    code = [line.lstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not code or code[0][0] in "%!?":
-        return lines
-    return [f"get_ipython().run_cell_magic('dist_auto', '', {''.join(lines)!r})\n"]
-
-
-# IPython's is-this-cell-complete check must see the user's code, not our one-line call.
-auto_cell_lines.has_side_effects = True
 
 
 @magics_class
@@ -411,39 +378,22 @@ class DistMagics(Magics):
 
         args = parse_argstring(self.dist_export, line)
         path = os.path.expanduser(_unquote(args.path))
-        _check_export_path(path, args.force)
-        raw = self.shell.history_manager.input_hist_raw
-        history = [export.HistoryCell(n, raw[n], CELL_OUTCOMES.get(n)) for n in range(1, len(raw))]
+        export.check_path(path, args.force)
+        history = export.history(self.shell.history_manager.input_hist_raw)
         cells, start_line = export.last_session(history)
-        session = cluster.current()
-        if session is not None:
-            settings = export.Settings(session.layout, session.plan.backend, session.plan.timeout)
-        elif start_line is not None:
-            settings = export.settings_from_start(parse_argstring(self.dist_start, start_line))
-        else:
-            raise DistUsageError(
-                "No session is running and no %dist_start ran in this kernel, so the layout "
-                "is unknown: start a session with %dist_start, then run %dist_export."
-            )
+        settings = export.pick_settings(
+            cluster.current(), start_line, lambda flags: parse_argstring(self.dist_start, flags)
+        )
         result = export.export_script(
             cells, settings, lambda flags: parse_argstring(self.dist, flags),
             filename=os.path.basename(path),
         )  # fmt: skip
-        try:
-            with open(path, "w") as f:
-                f.write(result.text)
-        except OSError as e:
-            raise DistUsageError(f"Cannot write {path!r}: {e.strerror}.") from None
+        export.write_script(path, result.text)
         print(result.summary(path))
 
     # ----- auto mode ----------------------------------------------------------------------
-    @property
-    def _auto(self) -> bool:
-        return auto_cell_lines in self.shell.input_transformers_cleanup
-
     def _auto_off(self, why: str = "") -> None:
-        if self._auto:
-            self.shell.input_transformers_cleanup.remove(auto_cell_lines)
+        if automode.turn_off(self.shell):
             print(f"Auto mode off{f' ({why})' if why else ''}: cells run in the kernel again.")
 
     @magic_arguments()
@@ -459,14 +409,13 @@ class DistMagics(Magics):
         if cell is not None:
             return self._auto_cell(cell)
         args = parse_argstring(self.dist_auto, line)
-        if args.state == "off" or (args.state is None and self._auto):
-            if not self._auto:
+        if not automode.wanted(args.state, automode.is_on(self.shell)):
+            if not automode.is_on(self.shell):
                 print("Auto mode is off: cells run in the kernel.")
             self._auto_off()
             return
         session = _session()
-        if not self._auto:
-            self.shell.input_transformers_cleanup.append(auto_cell_lines)
+        automode.turn_on(self.shell)
         print(
             f"Auto mode on: plain cells run on all {session.world_size} ranks as %%dist cells; "
             "cells that start with a magic run here. %dist_auto off to stop."
@@ -504,13 +453,3 @@ class DistMagics(Magics):
         if not code.strip():
             raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
         _session().post_mortem(code, ranks)
-
-
-def _check_export_path(path: str, force: bool) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
-    if not os.path.isdir(folder):
-        raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
-    if os.path.exists(path) and not force:
-        raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")

@@ -147,3 +147,11 @@ def main_thread_stack(dump: str) -> str:
     if frames and "selectors.py" in frames[0]:  # most recent call: waiting for a message
         return "idle: no cell running (waiting in the engine's event loop)"
     return block
+
+
+class RankValues(dict):
+    """``{rank: value}``, as ``%dist_pull`` returns it: a dict whose notebook display shows
+    one short line per rank, so a bare ``%dist_pull big`` does not flood the page."""
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(rank_values_repr(self))

@@ -1,0 +1,214 @@
+"""Threads each engine runs beside its cells, talking to the kernel through its TCPStore or
+watching it: the stack answerer (``%dist_stacks``), the telemetry publisher (``%dist_status``)
+and the watchers that end the engine when the kernel is gone.
+
+Torch-free at import: the engine imports it before its environment is set. The key helpers
+(``stack_key``, ``telemetry_key``, ``parse_telemetry``) are shared with the kernel side.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+
+def start(cfg: dict) -> None:
+    """Start this rank's service threads (bootstrap, before torch.distributed is set up)."""
+    if cfg.get("watch", "pid") == "pid":
+        watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
+    else:  # the kernel is on another host: its store going away is the signal
+        watch_store(cfg["master_addr"], cfg["master_port"])
+    install_stack_dumper(cfg)
+
+
+# Session.stacks asks rank r for its stacks by setting stack_key(r, "ask", n), n counting up
+# from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
+def stack_key(rank: int, what: str, n: int | None = None) -> str:
+    return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
+
+
+def install_stack_dumper(cfg: dict) -> None:
+    """Answer Session.stacks through the kernel's TCPStore, from a thread of our own: an
+    apply would queue behind a running cell, while this thread runs beside it, also while the
+    cell is stuck in a collective (torch releases the GIL while it waits). The store client
+    and the scratch file are this engine's, so it works on any host. The counter is read
+    here, before bootstrap returns, so that no request can come before the thread listens."""
+    import torch.distributed as dist
+
+    rank = cfg["rank"]
+    store = dist.TCPStore(
+        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    answered = store.add(stack_key(rank, "count"), 0)
+    scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
+
+    def serve(answered: int) -> None:
+        while True:
+            ask = stack_key(rank, "ask", answered + 1)
+            try:
+                store.wait([ask], timedelta(hours=1))
+            except Exception:  # no request yet, or the kernel is gone (the watchers end us)
+                time.sleep(1.0)
+                continue
+            answered += 1
+            try:
+                store.set(stack_key(rank, "answer", answered), _dump_stacks(scratch))
+                store.delete_key(ask)
+            except Exception:
+                pass
+
+    threading.Thread(target=serve, args=(answered,), name="infini-stacks", daemon=True).start()
+
+
+def _dump_stacks(scratch) -> str:
+    """Every thread's stack, faulthandler's format, the cell's thread as 'Current thread'."""
+    scratch.seek(0)
+    scratch.truncate()
+    faulthandler.dump_traceback(file=scratch, all_threads=True)
+    scratch.seek(0)
+    dump = scratch.read().decode(errors="replace")
+    return as_seen_by_thread(dump, threading.main_thread().ident, threading.get_ident())
+
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+
+
+def as_seen_by_thread(dump: str, main: int, helper: int) -> str:
+    """A faulthandler dump taken on thread ``helper``, relabeled as if taken on ``main``: the
+    helper's own block goes, the main thread's becomes 'Current thread'."""
+    blocks = []
+    for block in dump.strip().split("\n\n"):
+        m = _THREAD_HEADER.match(block.lstrip())
+        ident = int(m.group(2), 16) if m else None
+        if ident == helper:
+            continue
+        if ident == main:
+            block = block.lstrip().replace(m.group(1), "Current thread", 1)
+        elif m and m.group(1) == "Current thread":
+            block = block.lstrip().replace("Current thread", "Thread", 1)
+        blocks.append(block)
+    return "\n\n".join(blocks) + "\n"
+
+
+# Each rank's telemetry thread writes a JSON snapshot under telemetry_key(rank) every
+# TELEMETRY_INTERVAL_S; Session.status() reads them into RankState.
+TELEMETRY_INTERVAL_S = 1.0
+
+
+# The snapshot's fields, named as RankState's.
+TELEMETRY_FIELDS = ("rss", "cpu_percent", "memory_used", "memory_total", "gpu_util")
+
+
+def telemetry_key(rank: int) -> str:
+    return f"infini/telemetry/{rank}"
+
+
+def parse_telemetry(raw: bytes) -> dict:
+    """A snapshot as the kernel reads it: known numeric fields only, {} when unreadable."""
+    try:
+        snap = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(snap, dict):
+        return {}
+    return {
+        k: v
+        for k, v in snap.items()
+        if k in TELEMETRY_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def install_telemetry(cfg: dict) -> None:
+    """Publish this rank's resource use (RSS, CPU %, GPU memory and utilization) through the
+    kernel's TCPStore from a thread of our own, so it stays fresh while a cell runs (also on
+    another host). Its own store client: the stack thread's sits in a long wait."""
+    rank = cfg["rank"]
+    gpu = cfg["cuda"][1] if cfg.get("cuda") is not None else None  # device index: LOCAL_RANK
+
+    def publish() -> None:
+        import psutil
+        import torch.distributed as dist
+
+        proc = psutil.Process()
+        proc.cpu_percent(None)  # the first call only starts the measurement
+        store = None
+        while True:
+            time.sleep(TELEMETRY_INTERVAL_S)
+            try:
+                if store is None:
+                    store = dist.TCPStore(
+                        cfg["master_addr"],
+                        int(cfg["master_port"]),
+                        is_master=False,
+                        timeout=timedelta(seconds=10),
+                    )
+                store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
+            except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
+                store = None
+
+    threading.Thread(target=publish, name="infini-telemetry", daemon=True).start()
+
+
+def _snapshot(proc, gpu: int | None) -> dict:
+    """This process's RSS and CPU % (100 = one core), and on a GPU rank the device's memory
+    in use and total (every process on it, as nvidia-smi counts) and its utilization."""
+    snap = {"rss": proc.memory_info().rss, "cpu_percent": proc.cpu_percent(None)}
+    if gpu is not None:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(gpu)
+        snap.update(memory_used=total - free, memory_total=total)
+        try:  # needs nvidia-ml-py; torch maps our CUDA_VISIBLE_DEVICES to NVML's index
+            snap["gpu_util"] = torch.cuda.utilization(gpu)
+        except Exception:
+            pass
+    return snap
+
+
+def watch_store(host: str, port: int) -> None:
+    """Exit when the kernel's TCPStore stops answering (three misses in a row)."""
+
+    def watch() -> None:
+        import torch.distributed as dist
+
+        misses = 0
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        except Exception:
+            os._exit(3)
+        while misses < 3:
+            time.sleep(1.0)
+            try:
+                store.check(["infini/alive"])
+                misses = 0
+            except Exception:
+                misses += 1
+        os._exit(3)
+
+    threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
+
+
+def watch_parent(kernel_pid: int, kernel_start: float) -> None:
+    """Exit when the notebook kernel is gone (even after SIGKILL): ipyparallel alone would
+    leave engines running for minutes."""
+
+    def alive() -> bool:
+        try:
+            import psutil
+
+            return abs(psutil.Process(kernel_pid).create_time() - kernel_start) < 1.0
+        except Exception:
+            return False
+
+    def watch() -> None:
+        while alive():
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="infini-parent-watch", daemon=True).start()

@@ -1,0 +1,117 @@
+"""The names a rank gets, under a session (engines) or under torchrun (exported scripts):
+``rank_namespace``, ``torchrun_namespace``, and ``[rank N]`` labels on printed lines.
+
+Torch is imported inside the functions: engines import this module before their
+environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+
+def rank_namespace(layout, device, local_rank: int, timeout=None) -> dict:
+    """The names a ``%%dist`` cell sees: torch, dist, rank, world_size, local_rank, device,
+    groups, mesh, layout. Builds the parallel groups (collective: every rank calls it, after
+    ``dist.init_process_group``). Engines and ``torchrun_namespace`` both use it."""
+    import torch
+    import torch.distributed as dist
+
+    from .groups import init_parallel_groups
+
+    groups = init_parallel_groups(layout, timeout=timeout)  # every group, not only the world
+    return {
+        "torch": torch,
+        "dist": dist,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "local_rank": local_rank,
+        "device": device,
+        "groups": groups,
+        "mesh": groups.mesh,
+        "layout": layout,
+    }
+
+
+def torchrun_namespace(
+    layout, *, backend: str = "auto", timeout: float = 300.0, label_output: bool = True
+) -> dict:
+    """Under torchrun: the same names a session's rank has (see ``rank_namespace``).
+
+    Initialises the default group from torchrun's environment with ``backend`` and
+    ``timeout`` (seconds), one GPU per local rank for nccl, then builds ``layout``'s groups.
+    ``label_output`` prefixes every line this rank prints with ``[rank N]``, as the notebook
+    does. Scripts written by ``%dist_export`` start with it."""
+    import torch
+    import torch.distributed as dist
+
+    from .errors import DistUsageError
+    from .groups import ParallelLayout
+
+    if not isinstance(layout, ParallelLayout):
+        layout = ParallelLayout.from_dict(layout)
+    env = os.environ
+    n = layout.world_size
+    if "RANK" not in env or "LOCAL_RANK" not in env:
+        raise DistUsageError(f"Run this script with torchrun: torchrun --nproc_per_node {n} FILE")
+    if int(env.get("WORLD_SIZE", -1)) != n:
+        raise DistUsageError(
+            f"This script needs {n} ranks (its layout: {layout.describe()}), but torchrun "
+            f"started {env.get('WORLD_SIZE')}: run it with torchrun --nproc_per_node {n} "
+            f"(or --nnodes M --nproc_per_node N with M x N = {n})."
+        )
+    local_rank = int(env["LOCAL_RANK"])
+    if label_output:
+        label_streams(f"[rank {env['RANK']}]")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank_namespace(layout, device, local_rank)
+
+
+class LabeledStream:
+    """Wraps a text stream: each complete line goes out prefixed with ``label``, one line per
+    write and flush, so lines of ranks sharing a terminal or pipe do not cut into each other."""
+
+    def __init__(self, stream, label: str):
+        self.stream, self.label, self._partial = stream, label, ""
+
+    def write(self, text: str) -> int:
+        from .output import prefix_lines
+
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self.stream.write(prefix_lines(self.label, line))
+            self.stream.flush()
+        return len(text)
+
+    def finish(self) -> None:
+        """Write an unfinished last line (at exit)."""
+        if self._partial:
+            self.write("\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding ... of the real stream
+        return getattr(self.stream, name)
+
+
+def label_streams(label: str) -> None:
+    """Prefix everything this process prints (stdout and stderr) with ``label``."""
+    import atexit
+
+    for name in ("stdout", "stderr"):
+        stream = LabeledStream(getattr(sys, name), label)
+        setattr(sys, name, stream)
+        atexit.register(stream.finish)
