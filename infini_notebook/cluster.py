@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psutil
@@ -35,7 +35,7 @@ from .output import (
 )
 from .plan import LOOPBACK, SessionPlan, is_loopback, make_plan
 from .ranks import parse_ranks, rank_label
-from .state import RankState
+from .state import CellResult, RankState
 
 log = logging.getLogger("infini_notebook")
 
@@ -43,20 +43,6 @@ log = logging.getLogger("infini_notebook")
 Progress = Callable[[int, int, str], None]
 
 _current: Session | None = None
-
-
-@dataclass
-class CellResult:
-    """Everything one ``run`` produced, per rank (kept whole, even when display was capped)."""
-
-    ranks: list[int]
-    stdout: dict[int, str] = field(default_factory=dict)
-    stderr: dict[int, str] = field(default_factory=dict)
-    results: dict[int, Any] = field(default_factory=dict)  # last expression's data, if any
-    errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
-    report: str = ""  # the labeled tracebacks, identical ones grouped
-    elapsed: float = 0.0
-    timed_out: list[int] = field(default_factory=list)  # ranks whose collective timed out
 
 
 def current() -> Session | None:
