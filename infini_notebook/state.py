@@ -3,8 +3,12 @@ standard library, so viz can type against it without importing the cluster."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# ``progress(done, total, what)``: how long work reports how far it got (viz.Progress draws it)
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass
