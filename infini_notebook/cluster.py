@@ -22,6 +22,7 @@ import psutil
 from . import engine, execution, processes, supervision
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
+from .options import StartOptions
 from .output import one_line, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
@@ -40,28 +41,33 @@ def current() -> Session | None:
     return _current if _current is not None and _current.running else None
 
 
-def start(progress: Progress | None = None, **options) -> Session:
+def start(
+    progress: Progress | None = None, options: StartOptions | None = None, **keywords
+) -> Session:
     """Start a session; options as ``%dist_start`` takes them (``nprocs=4``, ``gpus=8``,
-    ``tp=2`` ...). Raises DistUsageError before starting anything when an option is wrong.
-    ``progress(done, total, what)`` is called as engines come up and ranks initialise."""
+    ``tp=2`` ...: the fields of StartOptions). Raises DistUsageError before starting
+    anything when an option is wrong. ``progress(done, total, what)`` is called as engines
+    come up and ranks initialise."""
     global _current
     if current() is not None:
         raise DistUsageError(
             f"A session with {_current.plan.world_size} ranks is already running. "
             "Stop it first with %dist_stop (or session.stop())."
         )
-    plan = plan_from_options(**options)
+    plan = plan_from_options(options, **keywords)
     session = Session(plan)
     session.start(progress)
     _current = session
     return session
 
 
-def plan_from_options(
-    *, tp=None, cp=None, pp=None, dp=None, order=None, zero1=None, **options
-) -> SessionPlan:
-    layout = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "order": order, "zero1": zero1}
-    return make_plan(visible_gpus=visible_cuda_devices(), layout=layout, **options)
+def plan_from_options(options: StartOptions | None = None, **keywords) -> SessionPlan:
+    """The checked plan for ``options`` (or for the StartOptions the keywords make)."""
+    try:
+        options = options or StartOptions(**keywords)
+    except TypeError as e:  # a keyword that is no option
+        raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
+    return make_plan(options, visible_gpus=visible_cuda_devices())
 
 
 def visible_cuda_devices() -> list[str]:
