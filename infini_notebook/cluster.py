@@ -246,16 +246,19 @@ class Session:
         max_lines: int | None = None,
         echo: bool = True,
         printer: Printer | None = None,
+        where: str | dict | None = None,
     ) -> CellResult:
-        """Run ``code`` on ``ranks`` at once; show each rank's output labeled as it arrives
-        (on this cell's streams, or through ``printer``). Raises DistCellError (labeled
-        tracebacks) when any rank raised, DistUsageError while a background cell runs."""
+        """Run ``code`` on ``ranks`` (or on the ranks at layout coordinates ``where``,
+        ``"pp=0,tp=1"``) at once; show each rank's output labeled as it arrives (on this
+        cell's streams, or through ``printer``). Raises DistCellError (labeled tracebacks)
+        when any rank raised, DistUsageError while a background cell runs."""
+        targets = execution.resolve_targets(self, ranks, where)
         self._require_running()
         execution.refuse_beside_background(self, "%%dist")
         return execution.run(
             self,
             code,
-            parse_ranks(ranks, self.world_size),
+            targets,
             collapse,
             max_lines,
             printer or execution.TextPrinter(echo),

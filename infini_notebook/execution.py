@@ -22,7 +22,7 @@ from .output import (
     prefix_lines,
     remote_traceback,
 )
-from .ranks import parse_ranks, rank_label
+from .ranks import parse_ranks, parse_where, rank_label
 from .state import CellResult
 
 INTERRUPT_GRACE_S = 3.0
@@ -63,8 +63,28 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     return result
 
 
+def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) -> list[int]:
+    """The ranks a cell runs on: ``ranks`` (a spec), or those at the layout coordinates
+    ``where`` (``"pp=0,tp=1"`` or ``{"pp": 0, "tp": 1}``)."""
+    if where:
+        if ranks:
+            raise DistUsageError("Give --ranks or --where, not both.")
+        coords = parse_where(where) if isinstance(where, str) else dict(where)
+        try:
+            ranks = s.layout.ranks_where(**coords)
+        except (TypeError, ValueError) as e:
+            raise DistUsageError(f"Bad --where {where!r}: {e}") from None
+    return parse_ranks(ranks, s.world_size)
+
+
 def run_background(
-    s, code: str, ranks: str | list[int] | None = None, *, printer: Printer, **kw
+    s,
+    code: str,
+    ranks: str | list[int] | None = None,
+    *,
+    printer: Printer,
+    where: str | dict | None = None,
+    **kw,
 ) -> threading.Thread:
     """``run`` on a thread, so the notebook stays free (for %dist_stacks, %dist_status)
     while the ranks work. Output and errors go to ``printer``; the result to ``last``.
@@ -72,7 +92,7 @@ def run_background(
     ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
     s._require_running()
     refuse_beside_background(s, "%%dist --background")
-    targets = parse_ranks(ranks, s.world_size)  # refuse a bad spec now
+    targets = resolve_targets(s, ranks, where)  # refuse a bad spec now
     collapse, max_lines = kw.get("collapse", False), kw.get("max_lines")
 
     def work() -> None:

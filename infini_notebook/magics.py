@@ -16,7 +16,6 @@ from . import cluster
 from .errors import DistUsageError
 from .options import StartOptions, flag_specs
 from .output import main_thread_stack, rank_values_repr
-from .ranks import parse_where
 
 
 def _session() -> cluster.Session:
@@ -113,14 +112,7 @@ class DistMagics(Magics):
         """
         args = parse_argstring(self.dist, line)
         session = _session()
-        ranks = args.ranks
-        if args.where:
-            if args.ranks:
-                raise DistUsageError("Give --ranks or --where, not both.")
-            try:
-                ranks = session.layout.ranks_where(**parse_where(args.where))
-            except ValueError as e:
-                raise DistUsageError(f"Bad --where {args.where!r}: {e}") from None
+        ranks, where = args.ranks, args.where
         if args.background:
             from IPython.display import display
 
@@ -128,11 +120,16 @@ class DistMagics(Magics):
 
             printer = viz.OutputPrinter()
             session.run_background(  # refuses before the widget shows, if it must
-                cell, ranks, printer=printer, collapse=args.collapse, max_lines=args.max_lines
+                cell,
+                ranks,
+                printer=printer,
+                where=where,
+                collapse=args.collapse,
+                max_lines=args.max_lines,
             )
             display(printer.widget)
             return
-        session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
+        session.run(cell, ranks, where=where, collapse=args.collapse, max_lines=args.max_lines)
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")
