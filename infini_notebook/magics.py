@@ -15,8 +15,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import automode, cluster
 from .automode import AUTO_MARKER
 from .errors import DistUsageError
+from .options import StartOptions, flag_specs
 from .output import RankValues, main_thread_stack
-from .ranks import parse_where
 
 
 def _session() -> cluster.Session:
@@ -33,39 +33,17 @@ def _unquote(text: str | None) -> str | None:
     return text
 
 
+def _start_arguments(magic):
+    """%dist_start's flags, one per StartOptions field (options.py writes them once)."""
+    for flag, kw in reversed(flag_specs()):
+        magic = argument(flag, **kw)(magic)
+    return magic
+
+
 @magics_class
 class DistMagics(Magics):
     @magic_arguments()
-    @argument("--gpus", type=int, help="one rank per GPU (nccl); each sees only its GPU")
-    @argument("--nprocs", type=int, help="number of CPU ranks (gloo)")
-    @argument("--backend", default="auto", help="auto (default), nccl or gloo")
-    @argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
-    @argument(
-        "--init-method",
-        default="env://",
-        help="env:// (default), tcp://HOST:PORT or file:///PATH",
-    )
-    @argument("--tp", type=int, help="tensor-parallel size")
-    @argument("--cp", type=int, help="context-parallel size")
-    @argument("--pp", type=int, help="pipeline-parallel size")
-    @argument("--dp", type=int, help="data-parallel size (default: the rest)")
-    @argument("--order", help="dims fastest first, default tp-cp-dp-pp (Megatron)")
-    @argument("--zero1", type=int, help="ZeRO-1 shard group size inside each dp group")
-    @argument(
-        "--bind-address",
-        default="127.0.0.1",
-        help="address the store and controller listen on (default loopback)",
-    )
-    @argument("--launcher", default="local", help="local (default), ssh, mpi or slurm")
-    @argument("--hosts", help="HOST:SLOTS,... where ranks run (ssh, mpi), e.g. a:8,b:8")
-    @argument("--nnodes", type=int, help="number of nodes (slurm)")
-    @argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (slurm, ssh)")
-    @argument("--partition", help="slurm partition")
-    @argument("--account", help="slurm account")
-    @argument("--time", dest="time_limit", help="slurm time limit, e.g. 01:00:00")
-    @argument("--env", action="append", help="NAME=VALUE for every rank (repeatable)")
-    @argument("--ssh-args", help="extra ssh options, quoted: '-i key -p 2222'")
-    @argument("--remote-python", help="python on the hosts (default: this kernel's)")
+    @_start_arguments
     @line_magic
     def dist_start(self, line: str):
         """Start one engine per rank with torch.distributed initialised on each.
@@ -76,31 +54,9 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_start, line)
         from . import viz
 
-        session = cluster.start(
-            progress=viz.Progress("%dist_start"),
-            gpus=args.gpus,
-            nprocs=args.nprocs,
-            backend=args.backend,
-            timeout=args.timeout,
-            init_method=args.init_method,
-            tp=args.tp,
-            cp=args.cp,
-            pp=args.pp,
-            dp=args.dp,
-            order=args.order,
-            zero1=args.zero1,
-            bind_address=args.bind_address,
-            launcher=args.launcher,
-            hosts=args.hosts,
-            nnodes=args.nnodes,
-            gpus_per_node=args.gpus_per_node,
-            partition=args.partition,
-            account=args.account,
-            time_limit=args.time_limit,
-            env=args.env,
-            ssh_args=_unquote(args.ssh_args),
-            remote_python=args.remote_python,
-        )
+        options = StartOptions.from_args(args)
+        options.ssh_args = _unquote(options.ssh_args)
+        session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
         print(f"{session.world_size} ranks ready ({session.plan.backend}). Use %%dist to run code.")
 
@@ -123,14 +79,7 @@ class DistMagics(Magics):
         """
         args = parse_argstring(self.dist, line)
         session = _session()
-        ranks = args.ranks
-        if args.where:
-            if args.ranks:
-                raise DistUsageError("Give --ranks or --where, not both.")
-            try:
-                ranks = session.layout.ranks_where(**parse_where(args.where))
-            except ValueError as e:
-                raise DistUsageError(f"Bad --where {args.where!r}: {e}") from None
+        ranks, where = args.ranks, args.where
         if args.background:
             from IPython.display import display
 
@@ -138,11 +87,16 @@ class DistMagics(Magics):
 
             printer = viz.OutputPrinter()
             session.run_background(  # refuses before the widget shows, if it must
-                cell, ranks, printer=printer, collapse=args.collapse, max_lines=args.max_lines
+                cell,
+                ranks,
+                printer=printer,
+                where=where,
+                collapse=args.collapse,
+                max_lines=args.max_lines,
             )
             display(printer.widget)
             return
-        session.run(cell, ranks, collapse=args.collapse, max_lines=args.max_lines)
+        session.run(cell, ranks, where=where, collapse=args.collapse, max_lines=args.max_lines)
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")

@@ -155,3 +155,26 @@ class RankValues(dict):
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(rank_values_repr(self))
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def one_line(e: BaseException) -> str:
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = _SOURCE_PREFIX.sub("", str(getattr(e, "evalue", str(e))).strip())
+    first = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
+    return f"{ename}: {first}" if first else ename
+
+
+def remote_traceback(e: BaseException) -> str:
+    tb = getattr(e, "traceback", None)
+    if isinstance(tb, str) and tb.strip():
+        return tb
+    render = getattr(e, "render_traceback", None)
+    if render is not None:
+        try:
+            return "\n".join(render())
+        except Exception:
+            pass
+    return one_line(e)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from .errors import DistUsageError
+from .options import StartOptions
 
 BACKENDS = ("auto", "nccl", "gloo")
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
@@ -140,56 +141,32 @@ def parse_init_method(text: str | None, bind_address: str = "127.0.0.1") -> Init
 
 
 def make_plan(
+    options: StartOptions | None = None,
     *,
-    gpus: int | None = None,
-    nprocs: int | None = None,
-    backend: str = "auto",
-    timeout: float = 300.0,
-    init_method: str | None = None,
     visible_gpus: list[str] | None = None,
     cpu_count: int | None = None,
     layout: dict | None = None,
-    bind_address: str = "127.0.0.1",
-    launcher: str = "local",
-    hosts: str | None = None,
-    nnodes: int | None = None,
-    gpus_per_node: int | None = None,
-    env: list[str] | None = None,
-    ssh_args: str | None = None,
-    remote_python: str | None = None,
-    partition: str | None = None,
-    account: str | None = None,
-    time_limit: str | None = None,
+    **keywords,
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
-    problem with a message that names the fix."""
-    if backend not in BACKENDS:
-        raise DistUsageError(f"Unknown --backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
-    if timeout is None or timeout <= 0:
-        raise DistUsageError(f"--timeout must be a positive number of seconds, got {timeout}.")
-    if launcher not in LAUNCHERS:
+    problem with a message that names the fix. Without ``options``, the keywords (and
+    ``layout``) fill a StartOptions."""
+    if options is None:
+        options = StartOptions(**keywords, **(layout or {}))
+    o = options
+    if o.backend not in BACKENDS:
         raise DistUsageError(
-            f"Unknown --launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}."
+            f"Unknown --backend {o.backend!r}: choose one of {', '.join(BACKENDS)}."
         )
-    if launcher != "local" or hosts:
-        return _remote_plan(
-            launcher=launcher,
-            hosts=hosts,
-            nnodes=nnodes,
-            gpus_per_node=gpus_per_node,
-            nprocs=nprocs,
-            gpus=gpus,
-            backend=backend,
-            timeout=timeout,
-            init_method=init_method,
-            layout=layout,
-            bind_address=bind_address,
-            env=env,
-            ssh_args=ssh_args,
-            remote_python=remote_python,
-            cpu_count=cpu_count,
-            slurm={"partition": partition, "account": account, "time": time_limit},
+    if o.timeout is None or o.timeout <= 0:
+        raise DistUsageError(f"--timeout must be a positive number of seconds, got {o.timeout}.")
+    if o.launcher not in LAUNCHERS:
+        raise DistUsageError(
+            f"Unknown --launcher {o.launcher!r}: choose one of {', '.join(LAUNCHERS)}."
         )
+    if o.launcher != "local" or o.hosts:
+        return _remote_plan(o, cpu_count)
+    gpus, nprocs, backend, bind_address = o.gpus, o.nprocs, o.backend, o.bind_address
     visible = list(visible_gpus or [])
     if gpus is not None and nprocs is not None:
         raise DistUsageError(
@@ -203,19 +180,19 @@ def make_plan(
             "--backend nccl needs GPUs, and this session has CPU ranks. Use --backend gloo "
             "(the default for --nprocs) or start with --gpus N on a machine with CUDA."
         )
-    method = parse_init_method(init_method, bind_address)
-    layout_dict = _check_layout(world, layout or {})
+    method = parse_init_method(o.init_method, bind_address)
+    layout_dict = _check_layout(world, o.layout)
     cores = cpu_count or os.cpu_count() or 1
     return SessionPlan(
         world_size=world,
         backend=backend,
         gpus=tuple(visible[:world]) if on_gpu else (),
-        timeout=float(timeout),
+        timeout=float(o.timeout),
         init_method=method,
         layout=layout_dict,
         threads_per_rank=max(1, cores // world),
         bind_address=bind_address,
-        placement=Placement(env=parse_env(env)),
+        placement=Placement(env=parse_env(o.env)),
     )
 
 
@@ -246,29 +223,13 @@ def parse_env(items: list[str] | None) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _remote_plan(
-    *,
-    launcher,
-    hosts,
-    nnodes,
-    gpus_per_node,
-    nprocs,
-    gpus,
-    backend,
-    timeout,
-    init_method,
-    layout,
-    bind_address,
-    env,
-    ssh_args,
-    remote_python,
-    cpu_count,
-    slurm,
-) -> SessionPlan:
+def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
     """Plans for ranks started by ssh, mpiexec or Slurm (possibly on other hosts)."""
     import shlex
     import sys
 
+    launcher, hosts, nnodes, gpus_per_node = o.launcher, o.hosts, o.nnodes, o.gpus_per_node
+    nprocs, gpus, backend, bind_address = o.nprocs, o.gpus, o.backend, o.bind_address
     host_list = parse_hosts(hosts) if hosts else ()
     if launcher == "local":
         raise DistUsageError("--hosts needs --launcher ssh, mpi or slurm.")
@@ -305,10 +266,10 @@ def _remote_plan(
         launcher=launcher,
         hosts=host_list,
         gpus_per_node=gpus_per_node,
-        env=parse_env(env),
-        ssh_args=tuple(shlex.split(ssh_args or "")),
-        remote_python=remote_python or sys.executable,
-        slurm=tuple((k, v) for k, v in slurm.items() if v),
+        env=parse_env(o.env),
+        ssh_args=tuple(shlex.split(o.ssh_args or "")),
+        remote_python=o.remote_python or sys.executable,
+        slurm=tuple((k, v) for k, v in o.slurm.items() if v),
     )
     cores = cpu_count or os.cpu_count() or 1
     per_host = max(slots for _, slots in host_list)
@@ -316,9 +277,9 @@ def _remote_plan(
         world_size=world,
         backend=backend,
         gpus=tuple(str(i) for _, slots in host_list for i in range(slots)) if on_gpu else (),
-        timeout=float(timeout),
-        init_method=parse_init_method(init_method, bind_address),
-        layout=_check_layout(world, layout or {}),
+        timeout=float(o.timeout),
+        init_method=parse_init_method(o.init_method, bind_address),
+        layout=_check_layout(world, o.layout),
         threads_per_rank=max(1, cores // per_host),
         bind_address=bind_address,
         placement=placement,

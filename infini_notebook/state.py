@@ -3,7 +3,12 @@ standard library, so viz can type against it without importing the cluster."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+# ``progress(done, total, what)``: how long work reports how far it got (viz.Progress draws it)
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass
@@ -22,3 +27,17 @@ class RankState:
     gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank
     rss: int | None = None  # the rank's process (bytes)
     cpu_percent: float | None = None  # 100 = one core busy
+
+
+@dataclass
+class CellResult:
+    """Everything one ``run`` produced, per rank (kept whole, even when display was capped)."""
+
+    ranks: list[int]
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    results: dict[int, Any] = field(default_factory=dict)  # last expression's data, if any
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> one-line error
+    report: str = ""  # the labeled tracebacks, identical ones grouped
+    elapsed: float = 0.0
+    timed_out: list[int] = field(default_factory=list)  # ranks whose collective timed out

@@ -13,6 +13,8 @@ import psutil
 import pytest
 from conftest import fresh_kernel, text_of
 
+from infini_notebook.errors import DistUsageError
+
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -65,6 +67,18 @@ def wait_idle(kernel, timeout=30):
         "    time.sleep(0.2)",
         timeout=timeout,
     )
+
+
+def test_run_where_picks_the_ranks_at_layout_coordinates(session4):
+    # tp=2, dp=2: dp=1 holds ranks 2 and 3, whether the coordinates come as text or a dict
+    for where in ("dp=1", {"dp": 1}):
+        result = session4.run("print(rank)", where=where, echo=False)
+        assert result.ranks == [2, 3]
+        assert result.stdout == {2: "2\n", 3: "3\n"}
+    with pytest.raises(DistUsageError, match="--ranks or --where"):
+        session4.run("1", ranks="0", where="dp=1")
+    with pytest.raises(DistUsageError, match="Bad --where"):
+        session4.run("1", where="xx=1")
 
 
 def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks):

@@ -1,0 +1,356 @@
+"""Running code on the ranks: a cell (foreground or background), its labeled output as it
+arrives, the Stop button, and the error a failed cell raises. Plain functions taking the
+:class:`~infini_notebook.cluster.Session` whose state they read and update."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from . import processes, supervision
+from .errors import DistCellError, DistInterrupted, DistUsageError
+from .output import (
+    StreamLabeler,
+    error_report,
+    error_summary,
+    main_thread_stack,
+    one_line,
+    prefix_lines,
+    remote_traceback,
+)
+from .ranks import parse_ranks, parse_where, rank_label
+from .state import CellResult
+
+INTERRUPT_GRACE_S = 3.0
+COLLAPSE_HOLD_S = 2.0
+_TIMEOUT_WORDS = ("timed out", "timeout")
+# torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_BACKEND_WORDS = ("gloo", "nccl", "processgroup")
+HARD_RESTART = "Run %dist_restart --hard to bring the session back (variables are lost)."
+
+
+def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellResult:
+    dead = supervision.dead_ranks(s, targets)
+    if dead:
+        raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
+    labeler = StreamLabeler(collapse=collapse)
+    if max_lines:
+        labeler.max_lines = max_lines
+    shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
+    t0 = time.perf_counter()
+    with s._client_lock:
+        ar = processes.ranks_view(s, targets).execute(code, silent=False, block=False)
+    set_busy(s, targets, True)
+    try:
+        follow(s, ar, targets, labeler, printer, shown)
+    except KeyboardInterrupt:
+        stuck = interrupt_stuck(s, ar, targets)
+        raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
+    finally:
+        set_busy(s, targets, False)
+    result = collect(s, ar, targets, labeler, printer, shown, time.perf_counter() - t0)
+    processes.forget(s, ar.msg_ids)
+    s.last = result
+    if result.errors:
+        s._errored |= set(result.errors)
+        raise cell_error(s, result, targets)
+    s._errored -= set(targets)
+    return result
+
+
+def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) -> list[int]:
+    """The ranks a cell runs on: ``ranks`` (a spec), or those at the layout coordinates
+    ``where`` (``"pp=0,tp=1"`` or ``{"pp": 0, "tp": 1}``)."""
+    if where:
+        if ranks:
+            raise DistUsageError("Give --ranks or --where, not both.")
+        coords = parse_where(where) if isinstance(where, str) else dict(where)
+        try:
+            ranks = s.layout.ranks_where(**coords)
+        except (TypeError, ValueError) as e:
+            raise DistUsageError(f"Bad --where {where!r}: {e}") from None
+    return parse_ranks(ranks, s.world_size)
+
+
+def run_background(
+    s,
+    code: str,
+    ranks: str | list[int] | None = None,
+    *,
+    printer: Printer,
+    where: str | dict | None = None,
+    **kw,
+) -> threading.Thread:
+    """``run`` on a thread, so the notebook stays free (for %dist_stacks, %dist_status)
+    while the ranks work. Output and errors go to ``printer``; the result to ``last``.
+    One at a time: other cells (and pull, push, bench, restart) are refused until it
+    ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
+    s._require_running()
+    refuse_beside_background(s, "%%dist --background")
+    targets = resolve_targets(s, ranks, where)  # refuse a bad spec now
+    collapse, max_lines = kw.get("collapse", False), kw.get("max_lines")
+
+    def work() -> None:
+        try:
+            run(s, code, targets, collapse, max_lines, printer)
+        except DistCellError as e:
+            printer.err(f"{e.report}DistCellError: {e.summary}\n")
+        except DistUsageError as e:
+            printer.err(f"DistUsageError: {e}\n")
+        except Exception as e:  # the session stopped under it, say
+            printer.err(f"The background cell ended: {one_line(e)}\n")
+
+    thread = threading.Thread(target=work, name="infini-background-cell", daemon=True)
+    s._background = Background(thread, targets)
+    thread.start()
+    return thread
+
+
+def running_background(s) -> Background | None:
+    bg = s._background
+    return bg if bg is not None and bg.thread.is_alive() else None
+
+
+def refuse_beside_background(s, what: str, unless_interrupted: bool = False) -> None:
+    """One background cell owns its ranks until it ends: anything else sent to the
+    engines would queue behind it (or, for a Stop button, interrupt it)."""
+    bg = running_background(s)
+    if bg is None or threading.current_thread() is bg.thread:
+        return
+    if unless_interrupted and bg.interrupted:
+        return
+    raise DistUsageError(
+        f"{what}: a background cell is running on {rank_label(bg.ranks)[1:-1]}; wait for "
+        "it, or stop it with %dist_interrupt."
+    )
+
+
+def interrupt(s, ranks: str | list[int] | None = None) -> list[int]:
+    """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
+    and nothing else. Returns the ranks signalled."""
+    bg = running_background(s)
+    if bg is None:
+        return []
+    bg.interrupted = True
+    with s._lock:
+        busy = set(s._busy)
+    chosen = parse_ranks(ranks, s.world_size) if ranks is not None else bg.ranks
+    targets = [r for r in chosen if r in busy and r in bg.ranks]
+    supervision.send_signal(s, signal.SIGINT, targets)
+    return targets
+
+
+def follow(s, ar, targets, labeler, printer, shown) -> None:
+    """Stream output while the cell runs; notice ranks that die."""
+    t0 = last_check = time.monotonic()
+    running = set(targets)
+    while not ar.ready():
+        ar.wait(0.05)
+        finished = {r for r in running if _done(ar, targets, r)}
+        if finished:  # the status shows each rank idle as soon as it is
+            running -= finished
+            set_busy(s, finished, False)
+        # --collapse holds output back a little, so that lines the ranks print at about
+        # the same time arrive together and can be merged.
+        if not labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
+            show_progress(s, ar, targets, labeler, printer, shown, final=False)
+        if time.monotonic() - last_check > 0.5:
+            last_check = time.monotonic()
+            dead = supervision.dead_ranks(s, targets)
+            if dead:
+                fail_dead(s, ar, targets, dead)
+
+
+def show_progress(s, ar, targets, labeler, printer, shown, final) -> None:
+    mds = _metadata_list(ar)
+    printer.out(labeler.feed("stdout", {r: md["stdout"] for r, md in zip(targets, mds)}, final))
+    printer.err(labeler.feed("stderr", {r: md["stderr"] for r, md in zip(targets, mds)}, final))
+    for r, md in zip(targets, mds):
+        for output in md["outputs"][shown[r] :]:
+            printer.display(rank_label([r]), output)
+        shown[r] = len(md["outputs"])
+
+
+def collect(s, ar, targets, labeler, printer, shown, elapsed) -> CellResult:
+    try:
+        ar.wait_for_output(timeout=2)
+    except Exception:
+        pass
+    mds = _metadata_list(ar)
+    show_progress(s, ar, targets, labeler, printer, shown, final=True)
+    result = CellResult(ranks=targets, elapsed=elapsed)
+    tracebacks = {}
+    replies = ar.get(return_exceptions=True)
+    for r, md, reply in zip(targets, mds, replies):
+        result.stdout[r] = md["stdout"]
+        result.stderr[r] = md["stderr"]
+        if isinstance(reply, BaseException):
+            result.errors[r] = one_line(reply)
+            if not _engine_died(reply):  # its traceback is ipyparallel's, not the user's
+                tracebacks[r] = remote_traceback(reply)
+            if _collective_timed_out(reply):
+                result.timed_out.append(r)
+        elif md.get("execute_result"):
+            data = md["execute_result"].get("data", {})
+            result.results[r] = data
+            printer.display(rank_label([r]), {"data": data, "metadata": {}})
+    result.report = error_report(tracebacks)
+    return result
+
+
+def interrupt_stuck(s, ar, targets) -> list[int]:
+    """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
+    code, such as a collective whose peers never came), show where they are and what to
+    do: they stay stuck until the collective timeout fires."""
+    supervision.send_signal(s, signal.SIGINT, targets)
+    ar.wait(INTERRUPT_GRACE_S)
+    if ar.ready():
+        return []
+    stuck = [r for r in targets if not _done(ar, targets, r)]
+    with s._lock:
+        s._stuck = set(stuck)
+    stacks = supervision.stacks(s, stuck)
+    report = "".join(f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck)
+    print(
+        f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck in "
+        f"native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
+        "collective timeout fires; then %dist_restart rebuilds the process groups and "
+        "keeps your variables. %dist_restart --hard restarts the engines now.",
+        file=sys.stderr,
+    )
+    return stuck
+
+
+def fail_dead(s, ar, targets, dead: dict[int, str]) -> None:
+    alive = [r for r in targets if r not in dead]
+    supervision.send_signal(s, signal.SIGINT, alive)  # don't leave survivors waiting on the dead
+    for r in dead:
+        s._errored.add(r)
+    raise DistCellError(
+        f"{supervision.dead_text(dead)}. The other ranks were interrupted. {HARD_RESTART}",
+        ranks=sorted(dead),
+    )
+
+
+def cell_error(s, result: CellResult, targets: list[int]) -> DistCellError:
+    """The error a failed cell raises. A rank that died while the others finished
+    (ipyparallel answers for it with an EngineError) is named with its exit code."""
+    died = supervision.dead_ranks(s, sorted(result.errors))
+    for r, e in result.errors.items():
+        if r not in died and e.startswith("EngineError"):
+            died[r] = "its engine stopped"
+    if not died:
+        summary = error_summary(result.errors, targets) + _advice(result)
+        return DistCellError(summary, result.report, sorted(result.errors))
+    others = {r: e for r, e in result.errors.items() if r not in died}
+    also = f"; {error_summary(others, [])}" if others else ""
+    return DistCellError(
+        f"{supervision.dead_text(died)}{also}. {HARD_RESTART}", result.report, sorted(result.errors)
+    )
+
+
+def set_busy(s, ranks, busy: bool) -> None:
+    with s._lock:
+        if busy:
+            s._busy |= set(ranks)
+        else:
+            s._busy -= set(ranks)
+
+
+@dataclass
+class Background:
+    """The background cell: its thread, its ranks, and whether %dist_interrupt was sent."""
+
+    thread: threading.Thread
+    ranks: list[int]
+    interrupted: bool = False
+
+
+class Printer(Protocol):
+    """Where a cell's labeled output goes."""
+
+    def out(self, text: str) -> None: ...
+    def err(self, text: str) -> None: ...
+    def display(self, label: str, output: dict) -> None: ...
+
+
+class TextPrinter:
+    """The running cell's streams and IPython's display publisher."""
+
+    def __init__(self, echo: bool):
+        self.echo = echo
+
+    def out(self, text: str) -> None:
+        if self.echo and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def err(self, text: str) -> None:
+        if self.echo and text:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    def display(self, label: str, output: dict) -> None:
+        if not self.echo:
+            return
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        data = output.get("data", {})
+        if ip is None or getattr(ip, "display_pub", None) is None or set(data) == {"text/plain"}:
+            self.out(prefix_lines(label, data.get("text/plain", "")))  # plain values inline
+            return
+        self.out(f"{label}\n")
+        ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})
+
+
+def _metadata_list(ar) -> list[dict]:
+    md = ar.metadata
+    return md if isinstance(md, list) else [md]
+
+
+def _done(ar, targets, rank) -> bool:
+    md = _metadata_list(ar)[targets.index(rank)]
+    return md.get("status") is not None or md.get("completed") is not None
+
+
+def _engine_died(e: BaseException) -> bool:
+    """ipyparallel's answer for a task whose engine went away."""
+    return getattr(e, "ename", type(e).__name__) == "EngineError"
+
+
+def _collective_timed_out(e: BaseException) -> bool:
+    """A timeout raised by torch.distributed or its backends, not any error that says
+    "timeout" (a user's own TimeoutError leaves the process groups intact)."""
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = str(getattr(e, "evalue", e)).lower()  # raw: gloo's source path is kept
+    if not any(w in evalue for w in _TIMEOUT_WORDS):
+        return False
+    return ename in _DIST_ERRORS or (
+        ename == "RuntimeError" and any(w in evalue for w in _BACKEND_WORDS)
+    )
+
+
+def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
+    if not stuck:
+        return f"cell interrupted; {rank_label(targets)[1:-1]} stopped. The session is ready."
+    return (
+        f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
+        "see the stacks above)."
+    )
+
+
+def _advice(result: CellResult) -> str:
+    """What to do next, for failures that leave the process groups unusable."""
+    if result.timed_out:
+        return (
+            ". A collective timed out: the failing ranks waited for peers that never joined; "
+            "their tracebacks show where. The process groups are likely broken: run "
+            "%dist_restart (keeps variables)."
+        )
+    return ""

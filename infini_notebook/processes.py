@@ -1,0 +1,351 @@
+"""The session's processes: the TCPStore hosted in the kernel, the ipyparallel controller
+and engines (start, wait, bootstrap, stop), and the client plumbing every call goes through
+(its event loop, views, gathering replies, purging finished work). Plain functions taking
+the Session."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+
+import psutil
+
+from . import engine, supervision
+from .errors import DistCellError, DistUsageError
+from .output import error_report, error_summary, one_line, remote_traceback
+from .plan import LOOPBACK, SessionPlan, is_loopback
+from .state import Progress, RankState
+
+log = logging.getLogger("infini_notebook")
+
+DIGEST_HISTORY = 2**14
+HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
+
+
+def start_store(s) -> None:
+    """Host the TCPStore here. We bind the listening socket ourselves: TCPStore alone
+    listens on every interface, whatever host it is given."""
+    import socket
+
+    import torch.distributed as dist
+
+    method = s.plan.init_method
+    host = method.host if method.kind == "tcp" else s.plan.bind_address
+    port = method.port if method.kind == "tcp" else 0
+    if not is_loopback(host):  # allowed (ranks elsewhere need it), but never silently
+        warnings.warn(
+            f"Listening on {host}: the rendezvous TCPStore has no authentication, so "
+            "anyone who reaches that address can join or disturb the session. Keep it on "
+            "a private network."
+            + (
+                " ipyparallel's traffic is encrypted (CurveZMQ)."
+                if s.plan.bind_address not in LOOPBACK
+                else ""
+            ),
+            stacklevel=2,
+        )
+    try:
+        sock = socket.create_server((host, port), backlog=1024)
+        port = sock.getsockname()[1]
+        s._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
+        )
+        sock.detach()  # the store owns the descriptor now and closes it
+    except Exception as e:  # port taken, address not ours
+        raise DistUsageError(
+            f"Cannot host the rendezvous store on {host}:{port} ({e}). "
+            "Pick a free port, or use the default env:// init method."
+        ) from None
+
+
+def start_engines(s, progress: Progress | None) -> None:
+    import ipyparallel as ipp
+
+    from . import launchers
+
+    s._cluster = ipp.Cluster(
+        **launchers.cluster_options(s.plan, s._profile_dir),
+        log=logging.getLogger("infini_notebook.ipyparallel"),
+        shutdown_atexit=True,
+    )
+    profile = os.path.join(s._workdir, "profile")
+    in_loop(s, s._cluster.start_controller())
+    in_loop(s, s._cluster.start_engines(s.world_size, **launchers.engine_options(s.plan, profile)))
+    s._client = in_loop(s, s._cluster.connect_client())
+    # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
+    # after some thousand cells. Messages travel on loopback or CurveZMQ.
+    s._client.session.digest_history_size = DIGEST_HISTORY
+    wait_for_engines(s, progress)
+    ar = s._client[:].apply_async(engine.identity)
+    identities = ar.get_dict(timeout=60)
+    forget(s, ar.msg_ids)
+    s._eids = launchers.assign_ranks(identities, s.plan)
+
+
+def wait_for_engines(s, progress: Progress | None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    note, asked = "engines up", 0.0
+    while (up := len(s._client.ids)) < s.world_size:
+        if progress:
+            progress(up, s.world_size, note)
+        stopped = [es for es in s._cluster.engines.values() if es.state == "after"]
+        if stopped:
+            raise EnginesExited(stopped[0])
+        if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
+            note, asked = check_batch_job(s) or note, time.monotonic()
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"only {up} of {s.world_size} engines came up in {timeout}s ({note})"
+            )
+        time.sleep(0.05)
+    if progress:
+        progress(s.world_size, s.world_size, "engines up")
+
+
+def check_batch_job(s) -> str | None:
+    """The batch job's state for the progress line (None for other launchers); raises
+    DistUsageError when the job will never bring its engines up (see slurm.py)."""
+    for es in s._cluster.engines.values():
+        if hasattr(es, "start_check"):
+            problem, note = es.start_check()
+            if problem:
+                raise DistUsageError(problem)
+            return note
+    return None
+
+
+def rank_view(s, rank: int):
+    """The ipyparallel view of one rank's engine."""
+    return s._client[s._eids[rank]]
+
+
+def ranks_view(s, ranks: list[int]):
+    return s._client[[s._eids[r] for r in ranks]]
+
+
+def in_loop(s, coro, timeout: float = 120):
+    """Run an ipyparallel coroutine on this session's own event loop thread. The loop
+    keeps running between calls, so the launchers' exit callbacks (which record each
+    engine's exit code) fire; ``*_sync`` wrappers would leave them on a stopped loop."""
+    import asyncio
+
+    if s._loop is None:
+        s._loop = asyncio.new_event_loop()
+        threading.Thread(
+            target=s._loop.run_forever, name="infini-session-loop", daemon=True
+        ).start()
+    return asyncio.run_coroutine_threadsafe(coro, s._loop).result(timeout)
+
+
+def engine_config(s, rank: int) -> dict:
+    kernel = psutil.Process()
+    method = s.plan.init_method
+    store = {"kind": method.kind, "host": s._store.host, "port": s._store.port}
+    if method.kind == "file":
+        store = {"kind": "file", "path": method.path}
+    group_rank, local_rank, local_world = s.plan.placement.rank_places(s.world_size)[rank]
+    return {
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": s.world_size,
+        "local_world_size": local_world,
+        "group_rank": group_rank,
+        "watch": "store" if s.plan.placement.multi_host else "pid",
+        "loopback_only": s.plan.bind_address in LOOPBACK,
+        "master_addr": s._store.host,
+        "master_port": s._store.port,
+        "backend": s.plan.backend,
+        "timeout": s.plan.timeout,
+        "cuda": s.plan.cuda_devices(rank),
+        "threads": s.plan.threads_per_rank,
+        "store": store,
+        "attempt": s.attempt,
+        "layout": s.plan.layout,
+        "kernel_pid": kernel.pid,
+        "kernel_start": kernel.create_time(),
+    }
+
+
+def bootstrap(s, progress: Progress | None = None) -> None:
+    configs = {r: engine_config(s, r) for r in range(s.world_size)}
+    with s._client_lock:
+        pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
+    if progress:  # the gather below reports errors; this only counts finished ranks
+        while (done := sum(ar.ready() for ar in pending.values())) < s.world_size:
+            progress(done, s.world_size, "ranks initialised")
+            if any(ar.ready() and not ar.successful() for ar in pending.values()):
+                break
+            time.sleep(0.05)
+        progress(done, s.world_size, "ranks initialised")
+    infos = gather(s, pending, what="start")
+    record_ranks(s, infos)
+
+
+def host_name(s, rank: int, reported: str) -> str:
+    """The host as the user named it in --hosts (two hosts may share a hostname)."""
+    place = s.plan.placement
+    if not place.multi_host or place.launcher == "slurm":  # Slurm picks the nodes
+        return reported
+    return place.hosts[place.rank_places(s.world_size)[rank][0]][0]
+
+
+def record_ranks(s, infos: dict[int, dict]) -> None:
+    layout = s.layout
+    s.ranks = []
+    for r in range(s.world_size):
+        info = infos[r]
+        if not s.plan.placement.multi_host:  # remote pids mean nothing here (supervision.liveness)
+            s._pids[r] = psutil.Process(info["pid"])
+        s.ranks.append(
+            RankState(
+                rank=r,
+                pid=info["pid"],
+                host=host_name(s, r, info["host"]),
+                device=info["device"],
+                device_name=info["device_name"],
+                memory_used=info["memory_used"],
+                state="idle",
+                coords=layout.coords(r),
+            )
+        )
+
+
+def stop_processes(s) -> None:
+    """Engines and controller (the store and the watchdog stay: a hard restart reuses
+    them)."""
+    with s._client_lock:
+        if s._client is not None:
+            try:
+                s._client.close()
+            except Exception:
+                pass
+            s._client = None
+        s._unpurged = []
+    engines = supervision.kill_engines(s)  # first: see supervision.kill_engines
+    if s._cluster is not None:
+        try:  # the controller and remote engines stop while ours die
+            in_loop(s, s._cluster.stop_cluster())
+        except Exception as e:
+            log.warning("stopping the cluster: %s", e)
+        s._cluster = None
+    psutil.wait_procs(engines, timeout=5)
+    supervision.kill_leftovers(s)
+    s._pids = {}
+
+
+class EnginesExited(RuntimeError):
+    """Engines ended before registering; carries the tail of what they printed."""
+
+    def __init__(self, engine_set, lines: int = 20):
+        exits = (engine_set.stop_data or {}).get("engines", {})
+        failed = {i: d.get("exit_code") for i, d in exits.items() if d.get("exit_code")}
+        ident, code = next(iter(failed.items()), next(iter(exits.items()), ("?", None)))
+        more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
+        super().__init__(
+            f"engine {ident} exited while starting ({supervision.exit_description(code)}){more}"
+        )
+        try:
+            output = engine_set.get_output()
+        except Exception:
+            output = ""
+        self.output = "".join(output.splitlines(True)[-lines:])
+
+
+def start_error(plan: SessionPlan, e: Exception) -> DistCellError:
+    """What a failed start says: the cause (an engine's own output when it exited) and
+    advice that fits where the ranks run."""
+    place = plan.placement
+    remote = place.launcher == "slurm" or any(not is_loopback(h) for h, _ in place.hosts)
+    cause = str(e) if isinstance(e, EnginesExited) else one_line(e)
+    output = getattr(e, "output", "").rstrip()
+    seen = " (its output is above)" if output else ""
+    if remote:
+        advice = (
+            "Check that the hosts are reachable and run the same Python with "
+            "infini_notebook installed."
+        )
+    else:
+        advice = (
+            f"The engines run {sys.executable} on this machine: check that it imports "
+            "ipyparallel, torch and infini_notebook, and your --env values."
+        )
+    return DistCellError(
+        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
+        f"{cause}{seen}. Nothing is left running. {advice}",
+        f"{output}\n" if output else "",
+    )
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# a cell's records stay on the controller this long at most
+
+
+def gather(s, pending: dict, what: str, timeout: float | None = None) -> dict:
+    """Wait for one apply per rank; raise DistCellError naming the ranks that failed."""
+    deadline = time.monotonic() + (timeout or s.plan.timeout + 60)
+    out, errors, tracebacks = {}, {}, {}
+    for r, ar in pending.items():
+        try:
+            out[r] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as e:
+            errors[r] = one_line(e)
+            tracebacks[r] = remote_traceback(e)
+    # return values can be big (a pulled tensor): nothing here keeps a copy
+    forget(s, [m for ar in pending.values() for m in ar.msg_ids])
+    if errors:
+        raise DistCellError(
+            f"{what} failed on {error_summary(errors, list(pending))}",
+            error_report(tracebacks),
+            sorted(errors),
+        )
+    return out
+
+
+def forget(s, msg_ids: list[str]) -> None:
+    """Drop what ipyparallel keeps of finished work: the client's results, metadata and
+    history now, the controller's records soon after (see ``purge_hub``). Work still
+    running (a rank that ignored an interrupt) is dropped once it ends."""
+    with s._client_lock:
+        client = s._client
+        if client is None:
+            return
+        s._unpurged.extend(msg_ids)
+        done = {m for m in s._unpurged if m not in client.outstanding}
+        s._unpurged = [m for m in s._unpurged if m not in done]
+        client.purge_local_results(jobs=list(done))
+        client.history = [m for m in client.history if m not in done]
+        if s._hub_purge_queued or s._loop is None:
+            return
+        s._hub_purge_queued = True
+    s._loop.call_soon_threadsafe(s._loop.call_later, HUB_PURGE_DELAY_S, purge_hub, s)
+
+
+def purge_hub(s) -> None:
+    """Ask the controller to drop every finished task's record (results included, such
+    as a pulled tensor). On the session's loop thread, at most once per
+    HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
+    the controller counts a task finished a little after the client does."""
+    with s._client_lock:
+        s._hub_purge_queued = False
+        client = s._client
+        if client is None:
+            return
+        try:  # purge_hub_results would wait for ever on a controller that is gone
+            reply = client._send(
+                client._query_stream,
+                "purge_request",
+                content={"engine_ids": [], "msg_ids": "all"},
+            )
+            reply.result(timeout=10)
+        except Exception as e:
+            log.debug("controller purge: %s", e)

@@ -1,0 +1,253 @@
+"""Watching the ranks: signals, stacks (asked through the store), which ranks are alive,
+stuck or dead and why (exit codes), the status snapshot (with each rank's telemetry), the
+watchdog, and killing the engines we started. Plain functions taking the Session."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import psutil
+
+from . import engine
+from .ranks import parse_ranks
+from .state import RankState
+
+
+def start_watchdog(s) -> None:
+    """A small process that ends ours if this kernel dies, even by SIGKILL. Started
+    before anything else, so a kernel killed while engines come up leaves nothing."""
+    import subprocess
+
+    if s._watchdog is not None and s._watchdog.poll() is None:
+        return  # a hard restart keeps the session's watchdog
+    kernel = psutil.Process()
+    s._watchdog = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infini_notebook.watchdog",
+            f"{kernel.pid}:{kernel.create_time()}",
+            s._profile_dir,
+            repr(s._created),
+        ],
+        start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def end_watchdog(s) -> None:
+    if s._watchdog is not None and s._watchdog.poll() is None:
+        s._watchdog.terminate()
+        s._watchdog.wait(5)
+    s._watchdog = None
+
+
+def still_stuck(s) -> set[int]:
+    """Ranks that ignored an interrupt, until their engine's queue drains."""
+    with s._lock:
+        if not s._stuck:
+            return set()
+    try:
+        running = set(stuck_ranks(s))
+    except Exception:
+        return set(s._stuck)
+    with s._lock:
+        s._stuck &= running
+        return set(s._stuck)
+
+
+def stuck_ranks(s) -> list[int]:
+    """Ranks whose engine still has work queued or running."""
+    with s._client_lock:
+        status = s._client.queue_status()
+    return [r for r in range(s.world_size) if status.get(s._eids[r], {}).get("queue", 0) > 0]
+
+
+def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
+    """Every thread's Python stack on each rank (the cell's thread as 'Current thread').
+    Asked and answered through the TCPStore, which a thread on each engine watches, so a
+    rank busy in a cell or stuck in a collective answers, on this host or another."""
+    from datetime import timedelta
+
+    targets = parse_ranks(ranks, s.world_size)
+    store = s._store
+    for key in s._late_stacks:  # answers that came after we stopped waiting
+        store.delete_key(key)
+    s._late_stacks = []
+    answers = {}
+    for r in targets:
+        n = store.add(engine.stack_key(r, "count"), 1)
+        store.set(engine.stack_key(r, "ask", n), "")
+        answers[r] = engine.stack_key(r, "answer", n)
+    try:
+        store.wait(list(answers.values()), timedelta(seconds=wait))
+    except Exception:  # a rank did not answer in time; the others did
+        pass
+    out: dict[int, str] = {}
+    for r, key in answers.items():
+        if store.check([key]):
+            out[r] = store.get(key).decode(errors="replace")
+            store.delete_key(key)
+        else:
+            s._late_stacks.append(key)
+            out[r] = (
+                f"(no answer in {wait:.0f} s: the rank is dead, or native code holds "
+                "its Python interpreter lock)"
+            )
+    return out
+
+
+def kill_engines(s) -> list[psutil.Process]:
+    """SIGKILL every local engine at once; returns them to wait for (their nannies exit
+    when they do). ipyparallel stops engines one after another with SIGTERM, and each
+    then spends about a second of CPU finalizing torch for nothing (it exits with status
+    1 anyway): stop took 11.6 s at 16 ranks. Only the pids we recorded, checked by start
+    time (a recycled pid is safe)."""
+    procs = list(s._pids.values())
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return procs
+
+
+def kill_leftovers(s) -> None:
+    """Processes the launcher could not stop (an engine, the controller after a failed
+    stop): the engines we recorded (psutil checks their start time, so a recycled pid is
+    never touched) and whatever else carries this session's mark."""
+    from .watchdog import end_all, session_processes
+
+    procs = {p.pid: p for p in s._pids.values()}
+    procs.update({p.pid: p for p in session_processes(s._profile_dir, s._created)})
+    end_all(list(procs.values()), grace=0)
+
+
+def dead_ranks(s, targets) -> dict[int, str]:
+    alive = liveness(s)
+    dead = {}
+    for r in targets:
+        if alive(r):
+            continue
+        proc = s._pids.get(r)
+        dead[r] = (
+            exit_description(exit_code(s, proc)) if proc is not None else "its engine unregistered"
+        )
+    return dead
+
+
+def liveness(s) -> Callable[[int], bool]:
+    """``alive(rank)``: a local engine by its process; a remote one (no pid of ours) by
+    the controller, which drops an engine when its nanny reports it gone or its
+    heartbeats stop. The controller is asked once, and only when a rank is remote."""
+    registered: set[int] | None = None
+
+    def alive(r: int) -> bool:
+        nonlocal registered
+        proc = s._pids.get(r)
+        if proc is not None:
+            return _alive(proc)
+        if registered is None:
+            with s._client_lock:
+                client = s._client
+                registered = set(client.ids) if client is not None else set()
+        return bool(s._eids) and s._eids[r] in registered
+
+    return alive
+
+
+def exit_code(s, proc: psutil.Process) -> int | None:
+    """The engine's exit status as its ipyparallel launcher recorded it (the launcher
+    reaps the child, so only it can know). Negative: killed by that signal."""
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        for engine_set in (s._cluster.engines if s._cluster else {}).values():
+            for data in (engine_set.stop_data or {}).get("engines", {}).values():
+                if data.get("pid") == proc.pid:
+                    return data.get("exit_code")
+        time.sleep(0.05)
+    return None
+
+
+def send_signal(s, signum: int, ranks: list[int] | None = None) -> None:
+    """Send ``signum`` to the engines of ``ranks`` (pids this session started)."""
+    remote = []
+    for r in ranks if ranks is not None else range(s.world_size):
+        proc = s._pids.get(r)
+        if proc is None:
+            remote.append(s._eids[r])
+            continue
+        try:
+            if proc.is_running():
+                proc.send_signal(signum)
+        except psutil.Error:
+            pass
+    with s._client_lock:
+        if remote and s._client is not None:  # through each engine's nanny
+            s._client.send_signal(signum, targets=remote, block=False)
+
+
+def status(s) -> list[RankState]:
+    """Each rank's pid, device and state (idle, busy, error, dead)."""
+    with s._lock:
+        busy = set(s._busy)
+    stuck = still_stuck(s)
+    alive = liveness(s)
+    telemetry = read_telemetry(s)
+    for rs in s.ranks:
+        for name, value in telemetry.get(rs.rank, {}).items():
+            setattr(rs, name, value)
+        proc = s._pids.get(rs.rank)
+        if not s.running:
+            rs.state = "stopped"
+        elif not alive(rs.rank):
+            if rs.state != "dead" and proc is not None:  # look the exit code up once
+                rs.exit_code = exit_code(s, proc)
+            rs.state = "dead"
+        elif rs.rank in stuck:
+            rs.state = "stuck"
+        elif rs.rank in busy:
+            rs.state = "busy"
+        elif rs.rank in s._errored:
+            rs.state = "error"
+        else:
+            rs.state = "idle"
+    return list(s.ranks)
+
+
+def read_telemetry(s) -> dict[int, dict]:
+    """The latest snapshot each rank's telemetry thread put in the store (engine.py)."""
+    store = s._store
+    if store is None or not s.running:
+        return {}
+    out = {}
+    try:
+        for rs in s.ranks:
+            key = engine.telemetry_key(rs.rank)
+            if store.check([key]):  # get would wait for a rank that has not reported yet
+                out[rs.rank] = engine.parse_telemetry(store.get(key))
+    except Exception:  # the store is closing with the session: show what we have
+        pass
+    return out
+
+
+def dead_text(dead: dict[int, str]) -> str:
+    return "; ".join(f"rank {r} died ({why})" for r, why in sorted(dead.items()))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def exit_description(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
