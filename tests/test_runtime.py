@@ -157,66 +157,64 @@ def _marked(profile_dirs: set[str]) -> list[psutil.Process]:
     return found
 
 
-def _kill_when(cells, source: str, ready) -> set[psutil.Process]:
+def _kill_when(cells, source: str, ready) -> tuple[dict[psutil.Process, str], set[str]]:
     """Run ``source`` in the kernel and SIGKILL the kernel as soon as ``ready(procs)`` holds
-    for its session's processes. Returns every process of the session seen until then."""
-    threading.Thread(target=lambda: _run_quietly(cells, source), daemon=True).start()
-    seen: dict[int, psutil.Process] = {}
+    for its session's processes. Returns every process of the session seen until then, with
+    its command line, and the session's mark."""
+    cells.client.kc.execute(source)  # sent, not waited for: the kernel dies under it
+    seen: dict[psutil.Process, str] = {}
+    marks: set[str | None] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for p in _descendants(cells.kernel_pid):
-            seen.setdefault(p.pid, p)
-        if ready(list(seen.values())):
+            if p not in seen:
+                seen[p] = _cmd(p)
+                marks.add(_mark(p))
+        if ready(seen):
             psutil.Process(cells.kernel_pid).kill()
-            return set(seen.values())
+            return seen, marks - {None}
         time.sleep(0.02)
     raise AssertionError("the session's processes never appeared")
 
 
-def _run_quietly(cells, source: str) -> None:
+def _mark(p: psutil.Process) -> str | None:
     try:
-        cells.run(source, allow_error=True, timeout=180)
-    except Exception:  # the kernel dies under the cell: that is the point
-        pass
+        return p.environ().get("IPP_PROFILE_DIR")
+    except psutil.Error:
+        return None
 
 
-def _assert_all_gone(seen: set[psutil.Process], t0: float, what: str) -> None:
-    marks = set()
-    for p in seen:
-        try:
-            marks.add(p.environ().get("IPP_PROFILE_DIR"))
-        except psutil.Error:
-            pass
-    marks.discard(None)
+def _assert_all_gone(seen: dict[psutil.Process, str], marks: set[str], t0, what: str) -> None:
+    assert marks, "no process of the session was seen"
     _, alive = psutil.wait_procs(list(seen), timeout=15)
-    assert alive == [], (what, [(p.pid, _cmd(p)) for p in alive])
+    assert alive == [], (what, [(p.pid, seen[p]) for p in alive])
     late = _marked(marks)  # started after our last look, by a launcher caught halfway
     if late:
         _, late = psutil.wait_procs(late, timeout=15 - (time.monotonic() - t0))
     assert late == [], (what, [(p.pid, _cmd(p)) for p in late])
 
 
-def _engines(procs, exclude=()) -> list[psutil.Process]:
-    return [p for p in procs if "ipyparallel.engine" in _cmd(p) and p.pid not in exclude]
+def _engines(seen: dict[psutil.Process, str], exclude=()) -> list[psutil.Process]:
+    return [p for p, cmd in seen.items() if "ipyparallel.engine" in cmd and p.pid not in exclude]
 
 
 def test_kernel_killed_while_engines_come_up_leaves_nothing():
     with fresh_kernel() as cells:
-        seen = _kill_when(cells, "%dist_start --nprocs 2", lambda ps: len(_engines(ps)) >= 1)
+        seen, marks = _kill_when(cells, "%dist_start --nprocs 2", lambda ps: len(_engines(ps)) >= 1)
         t0 = time.monotonic()
-        assert any("ipyparallel.controller" in _cmd(p) for p in seen)
-        _assert_all_gone(seen, t0, "kernel killed while engines start")
+        assert any("ipyparallel.controller" in cmd for cmd in seen.values())
+        _assert_all_gone(seen, marks, t0, "kernel killed while engines start")
 
 
 def test_kernel_killed_during_a_hard_restart_leaves_nothing():
     with fresh_kernel() as cells:
         cells.run("%dist_start --nprocs 2", timeout=180)
-        old = {p.pid for p in _engines(_descendants(cells.kernel_pid))}
-        seen = _kill_when(
+        old = {p.pid for p in _engines({p: _cmd(p) for p in _descendants(cells.kernel_pid)})}
+        seen, marks = _kill_when(
             cells, "%dist_restart --hard", lambda ps: len(_engines(ps, exclude=old)) >= 1
         )
         t0 = time.monotonic()
-        _assert_all_gone(seen, t0, "kernel killed during a hard restart")
+        _assert_all_gone(seen, marks, t0, "kernel killed during a hard restart")
 
 
 def test_a_failed_hard_restart_stops_everything_with_a_clear_error():
