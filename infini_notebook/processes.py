@@ -322,7 +322,8 @@ def forget(s, msg_ids: list[str]) -> None:
         s._unpurged.extend(msg_ids)
         done = {m for m in s._unpurged if m not in client.outstanding}
         s._unpurged = [m for m in s._unpurged if m not in done]
-        client.purge_local_results(jobs=list(done))
+        if done:  # an empty list is refused by ipyparallel
+            client.purge_local_results(jobs=list(done))
         client.history = [m for m in client.history if m not in done]
         if s._hub_purge_queued or s._loop is None:
             return
