@@ -44,7 +44,7 @@ def load_ipython_extension(ipython) -> None:
 
 def __getattr__(name):  # lazy: ParallelLayout without importing torch.distributed
     if name == "ParallelLayout":
-        from .groups import ParallelLayout
+        from .layout import ParallelLayout
 
         return ParallelLayout
     raise AttributeError(name)

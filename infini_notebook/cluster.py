@@ -151,7 +151,7 @@ class Session:
     @property
     def layout(self):
         """The session's ParallelLayout (tp/cp/pp/dp sizes and order)."""
-        from .groups import ParallelLayout
+        from .layout import ParallelLayout
 
         return ParallelLayout(**self.plan.layout)
 

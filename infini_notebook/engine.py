@@ -112,7 +112,7 @@ def _set_environment(cfg: dict) -> None:
 def engine_environment(cfg: dict) -> dict[str, str]:
     """The variables a rank gets: torchrun's, the layout's (what ``init_parallel_groups()``
     reads) and the visible GPUs. Pure, from the kernel's ``cfg``."""
-    from .groups import ParallelLayout
+    from .layout import ParallelLayout
 
     env = {
         "RANK": cfg["rank"],
@@ -154,7 +154,7 @@ def init_distributed(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .groups import ParallelLayout
+    from .layout import ParallelLayout
 
     device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])

@@ -48,7 +48,7 @@ def torchrun_namespace(
     import torch.distributed as dist
 
     from .errors import DistUsageError
-    from .groups import ParallelLayout
+    from .layout import ParallelLayout
 
     if not isinstance(layout, ParallelLayout):
         layout = ParallelLayout.from_dict(layout)

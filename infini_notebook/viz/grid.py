@@ -28,7 +28,7 @@ from .render import (
 )
 
 if TYPE_CHECKING:
-    from ..groups import ParallelLayout
+    from ..layout import ParallelLayout
 
 
 class GroupGrid(widgets.VBox):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..ranks import format_ranks
 
 if TYPE_CHECKING:
-    from ..groups import ParallelLayout
+    from ..layout import ParallelLayout
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # Soft colors so black text stays readable; neighbouring groups get clearly different hues.

@@ -16,7 +16,7 @@ from .render import CSS, esc, grid_shape
 from .status_render import status_html, status_summary, status_text, status_tile_html
 
 if TYPE_CHECKING:
-    from ..groups import ParallelLayout
+    from ..layout import ParallelLayout
     from ..state import RankState
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .render import CSS, coords_label, esc, format_bytes, grid_shape
 
 if TYPE_CHECKING:
-    from ..groups import ParallelLayout
+    from ..layout import ParallelLayout
     from ..state import RankState
 
 STATE_COLORS = {
