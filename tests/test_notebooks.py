@@ -46,6 +46,8 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     (re.compile(r"[0-9a-f]{20,}"), "HASH"),
     (re.compile(r"(PORT=|127\.0\.0\.1:)\d+"), r"\1PORT"),
     (re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"), "TIME"),
+    # live usage in status tables (RSS and CPU %, or GPU memory and utilization) varies
+    (re.compile(r"\s*·\s*(RSS \S+ \S+|CPU \d+%|[\d.]+ \S+ of [\d.]+ \S+|util \d+%)"), ""),
     # status tables: 'rank state coords host pid device'; host and pid vary by machine
     (re.compile(r"\S+\s+\d+\s+(cpu|cuda:\d+)$"), r"HOST PID \1"),
     (re.compile(r"\s+"), " "),  # column widths follow the masked values
