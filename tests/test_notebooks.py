@@ -48,6 +48,7 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     (re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"), "TIME"),
     # live usage in status tables (RSS and CPU %, or GPU memory and utilization) varies
     (re.compile(r"\s*·\s*(RSS \S+ \S+|CPU \d+%|[\d.]+ \S+ of [\d.]+ \S+|util \d+%)"), ""),
+    (re.compile(r"\b(RSS [\d.]+ ?\w+|CPU \d+%)"), "USAGE"),  # the same as printed values
     # status tables: 'rank state coords host pid device'; host and pid vary by machine
     (re.compile(r"\S+\s+\d+\s+(cpu|cuda:\d+)$"), r"HOST PID \1"),
     (re.compile(r"\s+"), " "),  # column widths follow the masked values
