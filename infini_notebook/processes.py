@@ -227,8 +227,9 @@ def stop_processes(s) -> None:
         s._unpurged = []
     engines = supervision.kill_engines(s)  # first: see supervision.kill_engines
     if s._cluster is not None:
-        try:  # the controller and remote engines stop while ours die
-            in_loop(s, s._cluster.stop_cluster())
+        try:  # engines first: a controller stopped while ours die takes ~1.5 s longer
+            in_loop(s, s._cluster.stop_engines())
+            in_loop(s, s._cluster.stop_controller())
         except Exception as e:
             log.warning("stopping the cluster: %s", e)
         s._cluster = None
