@@ -21,6 +21,7 @@ from conftest import fresh_kernel, text_of
 from infini_notebook.launchers import engine_options
 from infini_notebook.plan import make_plan
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = "10.213.7"
 IFACE = "eth-infini"  # the same name inside both namespaces: GLOO_SOCKET_IFNAME
 
@@ -71,14 +72,18 @@ class TwoHosts:
             # Each host gets its own /tmp (a tmpfs in a private mount namespace), as real
             # hosts have: nothing may rely on files the kernel wrote there. Only our key and
             # config directory (``cd`` keeps it reachable) is bound back in.
+            # A checkout under /tmp (a CI clone) is bound back too: the hosts run its Python.
             private_tmp = (
-                'cd "$0" && mount -t tmpfs tmpfs /tmp && mkdir -p "$0" '
-                '&& mount --no-canonicalize --bind . "$0" && exec /usr/sbin/sshd -D -e -f "$1"'
+                'cd "$0" && mkdir -p keep && mount --bind "$2" keep '
+                '&& mount -t tmpfs tmpfs /tmp && mkdir -p "$0" "$2" '
+                '&& mount --no-canonicalize --bind . "$0" '
+                '&& mount --no-canonicalize --bind "$0/keep" "$2" '
+                '&& exec /usr/sbin/sshd -D -e -f "$1"'
             )
             self.sshd.append(
                 subprocess.Popen(
                     ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
-                    + ["sh", "-c", private_tmp, self.tmp, config],
+                    + ["sh", "-c", private_tmp, self.tmp, config, REPO_ROOT],
                     stderr=subprocess.DEVNULL,
                 )
             )
