@@ -76,8 +76,8 @@ class TwoHosts:
             private_tmp = (
                 'cd "$0" && mkdir -p keep && mount --bind "$2" keep '
                 '&& mount -t tmpfs tmpfs /tmp && mkdir -p "$0" "$2" '
+                '&& mount --no-canonicalize --bind keep "$2" '
                 '&& mount --no-canonicalize --bind . "$0" '
-                '&& mount --no-canonicalize --bind "$0/keep" "$2" '
                 '&& exec /usr/sbin/sshd -D -e -f "$1"'
             )
             self.sshd.append(
