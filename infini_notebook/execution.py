@@ -27,6 +27,7 @@ from .state import CellResult
 
 INTERRUPT_GRACE_S = 3.0
 COLLAPSE_HOLD_S = 2.0
+DEAD_CHECK_S = 0.5  # how often a running cell looks for ranks that died
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
 _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
@@ -41,19 +42,20 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
-    shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
     t0 = time.perf_counter()
     with s._client_lock:
         ar = processes.ranks_view(s, targets).execute(code, silent=False, block=False)
+    cell = Cell(ar, targets, labeler, printer)
     set_busy(s, targets, True)
     try:
-        follow(s, ar, targets, labeler, printer, shown)
+        follow(s, cell)
     except KeyboardInterrupt:
-        stuck = interrupt_stuck(s, ar, targets)
+        stuck = interrupt_stuck(s, cell)
         raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
     finally:
         set_busy(s, targets, False)
-    result = collect(s, ar, targets, labeler, printer, shown, time.perf_counter() - t0)
+        cell.detach()
+    result = collect(cell, time.perf_counter() - t0)
     processes.forget(s, ar.msg_ids)
     s.last = result
     if result.errors:
@@ -145,48 +147,85 @@ def interrupt(s, ranks: str | list[int] | None = None) -> list[int]:
     return targets
 
 
-def follow(s, ar, targets, labeler, printer, shown) -> None:
-    """Stream output while the cell runs; notice ranks that die."""
+class Cell:
+    """One running cell, as ipyparallel reports it: each rank's message future resolves on
+    its reply, and its iopub callbacks (the hook ``AsyncResult.stream_output`` uses) fire
+    on every output message. The callbacks, on the client's IO thread, only wake the
+    cell's thread, which reads the per-message metadata ipyparallel keeps (updated before
+    the callbacks run: no output is missed or shown twice). On top, only what is ours:
+    rank labels, ``--collapse`` and the line cap (``StreamLabeler``)."""
+
+    def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
+        self.ar, self.targets, self.labeler, self.printer = ar, targets, labeler, printer
+        self.futures = dict(zip(targets, ar._children))
+        self.shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
+        self.changed = threading.Event()
+        self.changed.set()  # output that arrived before we listened is read at once
+        for f in self.futures.values():
+            f.iopub_callbacks.append(self._wake)
+            f.add_done_callback(self._wake)
+
+    def _wake(self, _msg=None) -> None:
+        self.changed.set()
+
+    def detach(self) -> None:
+        for f in self.futures.values():
+            if self._wake in f.iopub_callbacks:
+                f.iopub_callbacks.remove(self._wake)
+
+    def done(self, rank: int) -> bool:
+        return self.futures[rank].done()
+
+    def metadata(self, rank: int) -> dict:
+        return self.futures[rank].output.metadata
+
+    def show(self, final: bool) -> None:
+        """Print what the ranks wrote since the last call, labeled."""
+        mds = {r: self.metadata(r) for r in self.targets}
+        self.printer.out(
+            self.labeler.feed("stdout", {r: md["stdout"] for r, md in mds.items()}, final)
+        )
+        self.printer.err(
+            self.labeler.feed("stderr", {r: md["stderr"] for r, md in mds.items()}, final)
+        )
+        for r, md in mds.items():
+            for output in md["outputs"][self.shown[r] :]:
+                self.printer.display(rank_label([r]), output)
+            self.shown[r] = len(md["outputs"])
+
+
+def follow(s, cell: Cell) -> None:
+    """Show output as it arrives and each rank idle as soon as it is; notice ranks that die."""
     t0 = last_check = time.monotonic()
-    running = set(targets)
-    while not ar.ready():
-        ar.wait(0.05)
-        finished = {r for r in running if _done(ar, targets, r)}
-        if finished:  # the status shows each rank idle as soon as it is
+    running = set(cell.targets)
+    while running:
+        if cell.changed.wait(DEAD_CHECK_S):
+            cell.changed.clear()  # before reading: a later message wakes the next wait
+        finished = {r for r in running if cell.done(r)}
+        if finished:
             running -= finished
             set_busy(s, finished, False)
         # --collapse holds output back a little, so that lines the ranks print at about
         # the same time arrive together and can be merged.
-        if not labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
-            show_progress(s, ar, targets, labeler, printer, shown, final=False)
-        if time.monotonic() - last_check > 0.5:
+        if not cell.labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
+            cell.show(final=False)
+        if running and time.monotonic() - last_check > DEAD_CHECK_S:
             last_check = time.monotonic()
-            dead = supervision.dead_ranks(s, targets)
+            dead = supervision.dead_ranks(s, cell.targets)  # a dead rank's reply came too
             if dead:
-                fail_dead(s, ar, targets, dead)
+                fail_dead(s, cell.targets, dead)
 
 
-def show_progress(s, ar, targets, labeler, printer, shown, final) -> None:
-    mds = _metadata_list(ar)
-    printer.out(labeler.feed("stdout", {r: md["stdout"] for r, md in zip(targets, mds)}, final))
-    printer.err(labeler.feed("stderr", {r: md["stderr"] for r, md in zip(targets, mds)}, final))
-    for r, md in zip(targets, mds):
-        for output in md["outputs"][shown[r] :]:
-            printer.display(rank_label([r]), output)
-        shown[r] = len(md["outputs"])
-
-
-def collect(s, ar, targets, labeler, printer, shown, elapsed) -> CellResult:
-    try:
-        ar.wait_for_output(timeout=2)
-    except Exception:
-        pass
-    mds = _metadata_list(ar)
-    show_progress(s, ar, targets, labeler, printer, shown, final=True)
-    result = CellResult(ranks=targets, elapsed=elapsed)
+def collect(cell: Cell, elapsed: float) -> CellResult:
+    """The finished cell: its last output shown, its values and errors gathered."""
+    ar = cell.ar
+    ar.wait_for_output(timeout=2)  # iopub trails the replies a little
+    cell.show(final=True)
+    result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}
     replies = ar.get(return_exceptions=True)
-    for r, md, reply in zip(targets, mds, replies):
+    for r, reply in zip(cell.targets, replies):
+        md = cell.metadata(r)
         result.stdout[r] = md["stdout"]
         result.stderr[r] = md["stderr"]
         if isinstance(reply, BaseException):
@@ -198,20 +237,21 @@ def collect(s, ar, targets, labeler, printer, shown, elapsed) -> CellResult:
         elif md.get("execute_result"):
             data = md["execute_result"].get("data", {})
             result.results[r] = data
-            printer.display(rank_label([r]), {"data": data, "metadata": {}})
+            cell.printer.display(rank_label([r]), {"data": data, "metadata": {}})
     result.report = error_report(tracebacks)
     return result
 
 
-def interrupt_stuck(s, ar, targets) -> list[int]:
+def interrupt_stuck(s, cell: Cell) -> list[int]:
     """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
     code, such as a collective whose peers never came), show where they are and what to
     do: they stay stuck until the collective timeout fires."""
+    targets = cell.targets
     supervision.send_signal(s, signal.SIGINT, targets)
-    ar.wait(INTERRUPT_GRACE_S)
-    if ar.ready():
+    cell.ar.wait(INTERRUPT_GRACE_S)
+    stuck = [r for r in targets if not cell.done(r)]
+    if not stuck:
         return []
-    stuck = [r for r in targets if not _done(ar, targets, r)]
     with s._lock:
         s._stuck = set(stuck)
     stacks = supervision.stacks(s, stuck)
@@ -226,7 +266,7 @@ def interrupt_stuck(s, ar, targets) -> list[int]:
     return stuck
 
 
-def fail_dead(s, ar, targets, dead: dict[int, str]) -> None:
+def fail_dead(s, targets, dead: dict[int, str]) -> None:
     alive = [r for r in targets if r not in dead]
     supervision.send_signal(s, signal.SIGINT, alive)  # don't leave survivors waiting on the dead
     for r in dead:
@@ -307,16 +347,6 @@ class TextPrinter:
             return
         self.out(f"{label}\n")
         ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})
-
-
-def _metadata_list(ar) -> list[dict]:
-    md = ar.metadata
-    return md if isinstance(md, list) else [md]
-
-
-def _done(ar, targets, rank) -> bool:
-    md = _metadata_list(ar)[targets.index(rank)]
-    return md.get("status") is not None or md.get("completed") is not None
 
 
 def _engine_died(e: BaseException) -> bool:

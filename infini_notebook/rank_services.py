@@ -138,8 +138,7 @@ def install_telemetry(cfg: dict) -> None:
         proc = psutil.Process()
         proc.cpu_percent(None)  # the first call only starts the measurement
         store = None
-        while True:
-            time.sleep(TELEMETRY_INTERVAL_S)
+        while True:  # the first snapshot at once: status() right after start has numbers
             try:
                 if store is None:
                     store = dist.TCPStore(
@@ -151,6 +150,7 @@ def install_telemetry(cfg: dict) -> None:
                 store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
             except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
                 store = None
+            time.sleep(TELEMETRY_INTERVAL_S)
 
     threading.Thread(target=publish, name="infini-telemetry", daemon=True).start()
 
