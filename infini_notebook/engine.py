@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import rank_services
+from . import engine_tuning, rank_services
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     TELEMETRY_FIELDS,
@@ -64,6 +64,7 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
     _keep_no_output_history()
+    engine_tuning.apply()
     import torch
 
     torch.set_num_threads(cfg["threads"])

@@ -4,6 +4,7 @@ arrives, the Stop button, and the error a failed cell raises. Plain functions ta
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import threading
@@ -160,18 +161,24 @@ class Cell:
         self.futures = dict(zip(targets, ar._children))
         self.shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         self.changed = threading.Event()
+        self.dirty = set(targets)  # ranks with output not looked at yet
+        self._dirty_lock = threading.Lock()
+        self._callbacks = {}
+        for r, f in self.futures.items():
+            self._callbacks[r] = functools.partial(self._wake, r)
+            f.iopub_callbacks.append(self._callbacks[r])
+            f.add_done_callback(self._callbacks[r])
         self.changed.set()  # output that arrived before we listened is read at once
-        for f in self.futures.values():
-            f.iopub_callbacks.append(self._wake)
-            f.add_done_callback(self._wake)
 
-    def _wake(self, _msg=None) -> None:
+    def _wake(self, rank: int, _msg=None) -> None:
+        with self._dirty_lock:
+            self.dirty.add(rank)
         self.changed.set()
 
     def detach(self) -> None:
-        for f in self.futures.values():
-            if self._wake in f.iopub_callbacks:
-                f.iopub_callbacks.remove(self._wake)
+        for r, f in self.futures.items():
+            if self._callbacks[r] in f.iopub_callbacks:
+                f.iopub_callbacks.remove(self._callbacks[r])
 
     def done(self, rank: int) -> bool:
         return self.futures[rank].done()
@@ -181,13 +188,14 @@ class Cell:
 
     def show(self, final: bool) -> None:
         """Print what the ranks wrote since the last call, labeled."""
-        mds = {r: self.metadata(r) for r in self.targets}
-        self.printer.out(
-            self.labeler.feed("stdout", {r: md["stdout"] for r, md in mds.items()}, final)
-        )
-        self.printer.err(
-            self.labeler.feed("stderr", {r: md["stderr"] for r, md in mds.items()}, final)
-        )
+        with self._dirty_lock:  # taken before reading: a message arriving now marks it again
+            ranks = self.targets if final else sorted(self.dirty)
+            self.dirty = set()
+        mds = {r: self.metadata(r) for r in ranks}
+        out = self.labeler.feed("stdout", {r: md["stdout"] for r, md in mds.items()}, final)
+        err = self.labeler.feed("stderr", {r: md["stderr"] for r, md in mds.items()}, final)
+        self.printer.out(out)
+        self.printer.err(err)
         for r, md in mds.items():
             for output in md["outputs"][self.shown[r] :]:
                 self.printer.display(rank_label([r]), output)

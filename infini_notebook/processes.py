@@ -321,7 +321,8 @@ def forget(s, msg_ids: list[str]) -> None:
         if client is None:
             return
         s._unpurged.extend(msg_ids)
-        done = {m for m in s._unpurged if m not in client.outstanding}
+        outstanding = client.outstanding  # a traitlet: slow to read once per message
+        done = {m for m in s._unpurged if m not in outstanding}
         s._unpurged = [m for m in s._unpurged if m not in done]
         if done:  # an empty list is refused by ipyparallel
             client.purge_local_results(jobs=list(done))

@@ -73,6 +73,20 @@ def test_last_expression_is_shown_per_rank(kernel):
     assert "[rank 3] 30" in out and "[rank 1] 10" in out
 
 
+def test_the_last_output_of_a_cell_is_never_lost(kernel):
+    """Output written just before a cell ends, with no newline or on stderr, still arrives
+    with the cell (engines skip flushes that have nothing to send; engine_tuning.py)."""
+    use_session(kernel, SESSION)
+    for _ in range(3):
+        cell = kernel.run(
+            "%%dist\nimport sys\nprint('err', rank, file=sys.stderr)\n"
+            "print('partial', rank, end='')"
+        )
+        out, err = text_of(cell, "stdout"), text_of(cell, "stderr")
+        for r in range(4):
+            assert f"[rank {r}] err {r}" in err and f"[rank {r}] partial {r}" in out, (out, err)
+
+
 def test_exception_on_one_rank_fails_the_cell_and_names_it(kernel):
     use_session(kernel, SESSION)
     cell = kernel.run(

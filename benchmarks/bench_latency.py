@@ -1,0 +1,80 @@
+"""Empty-cell latency across world sizes: ``%%dist`` against ipyparallel's ``%%px``.
+
+    .venv/bin/python benchmarks/bench_latency.py [--ranks 2 4 8 16] [--cells 60]
+
+For each world size, in one IPython shell: our session (``infini_notebook.start``) and a
+stock ``ipp.Cluster`` with as many engines (what a ``%%px`` user runs), both up at once.
+The cells are interleaved (``%%px`` on the stock cluster, ``%%dist``, and ``%%px`` on our
+own engines) so that all three see the same machine load. Each is timed from the magic's
+call to its return (every rank replied and its output arrived).
+Target (issue 14, item 7): ``%%dist`` <= 0.7x stock ``%%px`` at 16 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ipyparallel as ipp
+
+
+def timed(fn, out: list[float]) -> None:
+    t = time.perf_counter()
+    fn()
+    out.append(time.perf_counter() - t)
+
+
+def one_size(shell, n: int, cells: int) -> dict[str, float]:
+    import infini_notebook
+
+    stock = ipp.Cluster(n=n, log_level=40)
+    stock_client = stock.start_and_connect_sync()
+    stock_client.wait_for_engines(n, interactive=False)
+    session = infini_notebook.start(nprocs=n)
+    try:
+        ours_view = session._client[:]
+        ours_view.block = True
+        ours_view.activate("_ours")  # %%px_ours: %%px on the very engines %%dist uses
+        stock_view = stock_client[:]
+        stock_view.block = True
+        stock_view.activate()  # %%px: the stock cluster
+        times: dict[str, list[float]] = {"px": [], "dist": [], "px_ours": []}
+        for i in range(cells + 5):
+            row: dict[str, list[float]] = {k: [] for k in times}
+            timed(lambda: shell.run_cell_magic("px", "", "pass"), row["px"])
+            timed(lambda: shell.run_cell_magic("dist", "", "pass"), row["dist"])
+            timed(lambda: shell.run_cell_magic("px_ours", "", "pass"), row["px_ours"])
+            if i >= 5:  # warm-up: first messages, imports
+                for k in times:
+                    times[k] += row[k]
+        return {k: statistics.median(v) for k, v in times.items()}
+    finally:
+        session.stop()
+        stock_client.close()
+        stock.stop_cluster_sync()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--cells", type=int, default=60)
+    args = parser.parse_args()
+
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "infini_notebook")
+    rows = [(n, one_size(shell, n, args.cells)) for n in args.ranks]
+    print(f"\nempty cell, median of {args.cells} (ms):")
+    print(" ranks   %%px (stock)   %%dist   ratio   %%px on our engines")
+    for n, t in rows:
+        print(
+            f" {n:5d}   {t['px'] * 1e3:12.1f}   {t['dist'] * 1e3:6.1f}   "
+            f"{t['dist'] / t['px']:5.2f}   {t['px_ours'] * 1e3:8.1f}"
+        )
+    print("target: ratio <= 0.70 at 16 ranks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Less work per message in each engine's ipykernel. An empty cell costs an engine ~2 ms
+of CPU, almost all of it ipykernel's message handling, not the cell; with 16 ranks on a
+few cores that is most of the cell's latency (benchmarks/bench_latency.py). Each trim
+here keeps what the kernel reads and leaves ipykernel alone where its internals are not
+the ones we know (``apply`` checks before it patches)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+
+def apply() -> None:
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None:
+        return
+    _skip_unread_iopub(kernel)
+    _flush_only_pending_output()
+    _remember_signature_checks()
+    kernel.log.setLevel(logging.WARNING)  # it was DEBUG: a record built per message, then dropped
+
+
+def _skip_unread_iopub(kernel) -> None:
+    """No 'busy' status and no execute_input on iopub: ipyparallel's client waits for
+    'idle' only, and the kernel knows the code it sent. Each is one message per rank per
+    cell for the engine, the controller and the client."""
+    if not hasattr(kernel, "_publish_execute_input"):
+        return
+    publish_status = kernel._publish_status
+
+    def publish_unless_busy(status, channel, parent=None):
+        if status != "busy":
+            publish_status(status, channel, parent)
+
+    kernel._publish_status = publish_unless_busy
+    kernel._publish_execute_input = lambda *args, **kwargs: None
+
+
+def _flush_only_pending_output() -> None:
+    """ipykernel flushes stdout and stderr twice per request, each time waiting for its
+    iopub thread to come round (a thread switch, slow on a loaded machine), even when the
+    cell wrote nothing. Skip the flush when nothing is buffered. Ordering is kept: the
+    'idle' status goes through the same thread after any output, and the kernel waits
+    for it."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if not all(hasattr(stream, a) for a in ("_flush_pending", "_buffers", "flush")):
+            continue
+        flush = stream.flush
+
+        def flush_if_pending(stream=stream, flush=flush) -> None:
+            if stream._flush_pending or any(b.tell() for b in list(stream._buffers.values())):
+                flush()
+
+        stream.flush = flush_if_pending
+
+
+def _remember_signature_checks() -> None:
+    """ipykernel inspects ``run_cell``'s signature on every request (~15 % of an empty
+    cell's engine time); the answer does not change while the method is the same."""
+    try:
+        from ipykernel import ipkernel
+    except ImportError:
+        return
+    check = getattr(ipkernel, "_accepts_parameters", None)
+    if check is None or hasattr(check, "cache_info"):
+        return
+
+    @functools.lru_cache(maxsize=32)
+    def remembered(meth, names: tuple) -> dict:
+        return check(meth, list(names))
+
+    def accepts_parameters(meth, param_names):
+        return dict(remembered(meth, tuple(param_names)))
+
+    accepts_parameters.cache_info = remembered.cache_info
+    ipkernel._accepts_parameters = accepts_parameters
