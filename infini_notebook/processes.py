@@ -63,6 +63,23 @@ def start_store(s) -> None:
 
 
 def start_engines(s, progress: Progress | None) -> None:
+    """The controller (unless it still runs: a hard restart keeps it), then the engines,
+    each mapped to its rank."""
+    from . import launchers  # imports ipyparallel's launchers
+
+    if not controller_running(s):
+        start_controller(s)
+    known = set(s._client.ids)  # a hard restart's old engines may linger there a moment
+    profile = os.path.join(s._workdir, "profile")
+    in_loop(s, s._cluster.start_engines(s.world_size, **launchers.engine_options(s.plan, profile)))
+    eids = wait_for_engines(s, progress, known)
+    ar = s._client[eids].apply_async(engine.identity)
+    identities = ar.get_dict(timeout=60)
+    forget(s, ar.msg_ids)
+    s._eids = launchers.assign_ranks(identities, s.plan)
+
+
+def start_controller(s) -> None:
     import ipyparallel as ipp
 
     from . import launchers
@@ -72,26 +89,27 @@ def start_engines(s, progress: Progress | None) -> None:
         log=logging.getLogger("infini_notebook.ipyparallel"),
         shutdown_atexit=True,
     )
-    profile = os.path.join(s._workdir, "profile")
     in_loop(s, s._cluster.start_controller())
-    in_loop(s, s._cluster.start_engines(s.world_size, **launchers.engine_options(s.plan, profile)))
     s._client = in_loop(s, s._cluster.connect_client())
     # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
     # after some thousand cells. Messages travel on loopback or CurveZMQ.
     s._client.session.digest_history_size = DIGEST_HISTORY
-    wait_for_engines(s, progress)
-    ar = s._client[:].apply_async(engine.identity)
-    identities = ar.get_dict(timeout=60)
-    forget(s, ar.msg_ids)
-    s._eids = launchers.assign_ranks(identities, s.plan)
 
 
-def wait_for_engines(s, progress: Progress | None, timeout: float = 120) -> None:
+def controller_running(s) -> bool:
+    controller = getattr(s._cluster, "controller", None)
+    return s._client is not None and getattr(controller, "state", None) == "running"
+
+
+def wait_for_engines(
+    s, progress: Progress | None, known: set[int], timeout: float = 120
+) -> list[int]:
+    """The ids of the world_size engines that registered after ``known`` were there."""
     deadline = time.monotonic() + timeout
     note, asked = "engines up", 0.0
-    while (up := len(s._client.ids)) < s.world_size:
+    while len(new := sorted(set(s._client.ids) - known)) < s.world_size:
         if progress:
-            progress(up, s.world_size, note)
+            progress(len(new), s.world_size, note)
         stopped = [es for es in s._cluster.engines.values() if es.state == "after"]
         if stopped:
             raise EnginesExited(stopped[0])
@@ -99,11 +117,12 @@ def wait_for_engines(s, progress: Progress | None, timeout: float = 120) -> None
             note, asked = check_batch_job(s) or note, time.monotonic()
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"only {up} of {s.world_size} engines came up in {timeout}s ({note})"
+                f"only {len(new)} of {s.world_size} engines came up in {timeout}s ({note})"
             )
         time.sleep(0.05)
     if progress:
         progress(s.world_size, s.world_size, "engines up")
+    return new
 
 
 def check_batch_job(s) -> str | None:
@@ -215,8 +234,7 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
 
 
 def stop_processes(s) -> None:
-    """Engines and controller (the store and the watchdog stay: a hard restart reuses
-    them)."""
+    """Engines and controller (the store and the watchdog stay: see Session.stop)."""
     with s._client_lock:
         if s._client is not None:
             try:
@@ -225,17 +243,26 @@ def stop_processes(s) -> None:
                 pass
             s._client = None
         s._unpurged = []
-    engines = supervision.kill_engines(s)  # first: see supervision.kill_engines
+    stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
     if s._cluster is not None:
-        try:  # engines first: a controller stopped while ours die takes ~1.5 s longer
-            in_loop(s, s._cluster.stop_engines())
+        try:
             in_loop(s, s._cluster.stop_controller())
         except Exception as e:
-            log.warning("stopping the cluster: %s", e)
+            log.warning("stopping the controller: %s", e)
         s._cluster = None
-    psutil.wait_procs(engines, timeout=5)
     supervision.kill_leftovers(s)
     s._pids = {}
+
+
+def stop_engines(s) -> None:
+    """The engines only: a hard restart keeps the controller and the client."""
+    engines = supervision.kill_engines(s)  # see supervision.kill_engines
+    if s._cluster is not None:
+        try:
+            in_loop(s, s._cluster.stop_engines())
+        except Exception as e:
+            log.warning("stopping the engines: %s", e)
+    psutil.wait_procs(engines, timeout=5)
 
 
 class EnginesExited(RuntimeError):
