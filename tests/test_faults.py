@@ -182,6 +182,20 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
     assert "[rank 2] 4.0" in out
 
 
+def test_hard_restart_brings_back_a_controller_that_died(kernel):
+    """A hard restart keeps a running controller, and starts a new one if it is gone."""
+    use_session(kernel, FAULTS)
+    kernel.run(
+        "import psutil\nfrom infini_notebook import cluster as _c\n"
+        "psutil.Process(_c.current()._cluster.controller.process.pid).kill()"
+    )
+    kernel.run("%dist_restart --hard", timeout=180)
+    out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4))
+    alive = text_of(kernel.run("print(_c.current()._cluster.controller.state)"))
+    assert alive.strip() == "running"
+
+
 def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
     use_session(kernel, FAULTS)
     cell, took = timed(
