@@ -18,6 +18,7 @@ from typing import Any
 from . import engine_tuning, rank_services
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
+    STACK_SIGNAL,
     TELEMETRY_FIELDS,
     TELEMETRY_INTERVAL_S,
     as_seen_by_thread,
@@ -29,6 +30,7 @@ from .torchrun import LabeledStream, label_streams, rank_namespace, torchrun_nam
 
 # Names the kernel, tests and exported scripts reach through this module.
 __all__ = [
+    "STACK_SIGNAL",
     "TELEMETRY_FIELDS",
     "TELEMETRY_INTERVAL_S",
     "LabeledStream",

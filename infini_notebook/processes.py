@@ -186,6 +186,7 @@ def engine_config(s, rank: int) -> dict:
         "layout": s.plan.layout,
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),
+        "stack_file": supervision.stack_file(s, rank),
     }
 
 

@@ -12,6 +12,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -25,6 +26,8 @@ def start(cfg: dict) -> None:
     else:  # the kernel is on another host: its store going away is the signal
         watch_store(cfg["master_addr"], cfg["master_port"])
     install_stack_dumper(cfg)
+    if cfg.get("stack_file"):
+        install_signal_dump(cfg["stack_file"])
 
 
 # Session.stacks asks rank r for its stacks by setting stack_key(r, "ask", n), n counting up
@@ -64,6 +67,22 @@ def install_stack_dumper(cfg: dict) -> None:
                 pass
 
     threading.Thread(target=serve, args=(answered,), name="infini-stacks", daemon=True).start()
+
+
+# A rank whose stack thread cannot run (native code holds the GIL: a CUDA copy waiting on a
+# stuck NCCL kernel, say) is asked by this signal instead, when it runs on the kernel's host.
+STACK_SIGNAL = signal.SIGUSR1
+_signal_dump_files: list = []  # faulthandler keeps only the descriptor: keep the file open
+
+
+def install_signal_dump(path: str) -> None:
+    """On STACK_SIGNAL, faulthandler dumps every thread from its C signal handler, which
+    needs no GIL, into ``path`` (in the kernel's session folder). The first line names the
+    main thread, so that the kernel can label the dump as the thread answerer does."""
+    dump = open(path, "wb", buffering=0)  # noqa: SIM115 (open for the engine's lifetime)
+    faulthandler.register(STACK_SIGNAL, file=dump, all_threads=True, chain=False)
+    dump.write(f"main {threading.main_thread().ident:#x}\n".encode())
+    _signal_dump_files.append(dump)
 
 
 def _dump_stacks(scratch) -> str:

@@ -4,6 +4,7 @@ watchdog, and killing the engines we started. Plain functions taking the Session
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -93,11 +94,55 @@ def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[i
             store.delete_key(key)
         else:
             s._late_stacks.append(key)
-            out[r] = (
-                f"(no answer in {wait:.0f} s: the rank is dead, or native code holds "
-                "its Python interpreter lock)"
-            )
+    silent = [r for r in targets if r not in out]
+    out.update(signal_stacks(s, silent, wait))
+    for r in silent:
+        out.setdefault(
+            r,
+            f"(no answer in {wait:.0f} s: the rank is dead, or native code holds its Python "
+            "interpreter lock on another host)",
+        )
+    return dict(sorted(out.items()))
+
+
+def stack_file(s, rank: int) -> str | None:
+    """Where a rank on this host dumps its stacks on STACK_SIGNAL (None: on another host)."""
+    if s.plan.placement.multi_host:
+        return None
+    return os.path.join(s._workdir, f"stacks-{rank}.txt")
+
+
+def signal_stacks(s, ranks: list[int], wait: float) -> dict[int, str]:
+    """Stacks of this host's ranks whose answering thread is held off by native code
+    holding the GIL: faulthandler dumps them from its signal handler into a file (see
+    rank_services.install_signal_dump). Only to ranks that installed the handler: the
+    signal's default would end the process."""
+    sizes = {}
+    for r in ranks:
+        path = stack_file(s, r)
+        if path and r in s._pids and os.path.exists(path) and os.path.getsize(path) > 0:
+            sizes[r] = os.path.getsize(path)
+    send_signal(s, engine.STACK_SIGNAL, list(sizes))
+    out, seen = {}, {}
+    deadline = time.monotonic() + wait
+    while sizes and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for r, before in list(sizes.items()):
+            size = os.path.getsize(stack_file(s, r))
+            if size > before and seen.get(r) == size:  # the dump grew, then stopped
+                out[r] = _read_signal_dump(stack_file(s, r), before)
+                del sizes[r]
+            seen[r] = size
     return out
+
+
+def _read_signal_dump(path: str, offset: int) -> str:
+    with open(path, "rb") as f:
+        main = int(f.readline().split()[1], 16)
+        f.seek(offset)
+        dump = f.read().decode(errors="replace")
+    # the handler ran on some thread; label the main thread as the answering thread does
+    return engine.as_seen_by_thread(dump, main, helper=-1)
 
 
 def kill_engines(s) -> list[psutil.Process]:

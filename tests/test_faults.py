@@ -125,6 +125,27 @@ def test_stacks_answer_for_every_rank_while_a_cell_runs(session4):
     assert [rs.state for rs in session4.status()] == ["idle"] * 4
 
 
+def test_stacks_answer_for_a_rank_whose_native_code_holds_the_gil(session4):
+    """sum() over a long range runs in C and never lets the GIL go, as a CUDA copy waiting
+    on a stuck NCCL kernel does: the rank's answering thread cannot run, so the kernel asks
+    by signal, and faulthandler answers from its handler."""
+    from infini_notebook.output import main_thread_stack
+
+    code = "def hold():\n    return sum(range(5 * 10**8))\nif rank == 1:\n    hold()"
+    cell = session4.run_background(code, printer=_Quiet())
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    stacks = session4.stacks(wait=1.0)
+    took = time.perf_counter() - t0
+    held = cell.is_alive()  # the stacks came while rank 1 still held the GIL
+    cell.join(120)
+    assert held and took < 5, took
+    assert "in hold" in main_thread_stack(stacks[1]), stacks[1]
+    assert all("Current thread" in stacks[r] for r in range(4))
+    out = session4.run("print('still here')", echo=False).stdout
+    assert out == {r: "still here\n" for r in range(4)}  # the signal ended nobody
+
+
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     use_session(kernel, FAULTS)
 
