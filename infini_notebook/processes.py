@@ -5,6 +5,7 @@ the Session."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import sys
@@ -250,6 +251,10 @@ def stop_processes(s) -> None:
             in_loop(s, s._cluster.stop_controller())
         except Exception as e:
             log.warning("stopping the controller: %s", e)
+        # a controller that died leaves its connection files; a new one must not meet them
+        security = os.path.join(s._profile_dir, "security")
+        for path in glob.glob(os.path.join(security, f"ipcontroller-{s._cluster.cluster_id}-*")):
+            remove_quietly(path)
         s._cluster = None
     supervision.kill_leftovers(s)
     s._pids = {}

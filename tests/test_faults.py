@@ -215,6 +215,13 @@ def test_hard_restart_brings_back_a_controller_that_died(kernel):
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
     alive = text_of(kernel.run("print(_c.current()._cluster.controller.state)"))
     assert alive.strip() == "running"
+    files = text_of(  # the dead controller's connection files are gone with it
+        kernel.run(
+            "import glob\nprint(len(glob.glob(_c.current()._cluster.profile_dir"
+            " + '/security/ipcontroller-*-client.json')))"
+        )
+    )
+    assert files.strip() == "1"
 
 
 def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
