@@ -71,8 +71,8 @@ def start_engines(s, progress: Progress | None) -> None:
     if not controller_running(s):
         start_controller(s)
     known = set(s._client.ids)  # a hard restart's old engines may linger there a moment
-    profile = os.path.join(s._workdir, "profile")
-    in_loop(s, s._cluster.start_engines(s.world_size, **launchers.engine_options(s.plan, profile)))
+    options = launchers.engine_options(s.plan, s._profile_dir)
+    in_loop(s, s._cluster.start_engines(s.world_size, **options))
     eids = wait_for_engines(s, progress, known)
     ar = s._client[eids].apply_async(engine.identity)
     identities = ar.get_dict(timeout=60)
@@ -319,9 +319,6 @@ def remove_quietly(path: str) -> None:
         os.remove(path)
     except OSError:
         pass
-
-
-# a cell's records stay on the controller this long at most
 
 
 def gather(s, pending: dict, what: str, timeout: float | None = None) -> dict:

@@ -117,23 +117,28 @@ def signal_stacks(s, ranks: list[int], wait: float) -> dict[int, str]:
     holding the GIL: faulthandler dumps them from its signal handler into a file (see
     rank_services.install_signal_dump). Only to ranks that installed the handler: the
     signal's default would end the process."""
-    sizes = {}
-    for r in ranks:
-        path = stack_file(s, r)
-        if path and r in s._pids and os.path.exists(path) and os.path.getsize(path) > 0:
-            sizes[r] = os.path.getsize(path)
+    paths = {r: stack_file(s, r) for r in ranks if r in s._pids and _alive(s._pids[r])}
+    sizes = {r: _size(p) for r, p in paths.items() if p}
+    sizes = {r: size for r, size in sizes.items() if size}  # 0: no handler (yet)
     send_signal(s, engine.STACK_SIGNAL, list(sizes))
     out, seen = {}, {}
     deadline = time.monotonic() + wait
     while sizes and time.monotonic() < deadline:
         time.sleep(0.05)
         for r, before in list(sizes.items()):
-            size = os.path.getsize(stack_file(s, r))
+            size = _size(paths[r])
             if size > before and seen.get(r) == size:  # the dump grew, then stopped
-                out[r] = _read_signal_dump(stack_file(s, r), before)
+                out[r] = _read_signal_dump(paths[r], before)
                 del sizes[r]
             seen[r] = size
     return out
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _read_signal_dump(path: str, offset: int) -> str:
