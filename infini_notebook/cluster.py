@@ -218,10 +218,7 @@ class Session:
     def _restart_hard(self, progress: Progress | None) -> None:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
-        if processes.controller_running(self):
-            processes.stop_engines(self)  # the controller stays: new engines register with it
-        else:
-            processes.stop_processes(self)
+        processes.stop_engines(self)  # a running controller stays (see ensure_controller)
         self._pids, self._errored, self._stuck = {}, set(), set()
         try:
             self._launch(progress)

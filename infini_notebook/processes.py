@@ -68,8 +68,7 @@ def start_engines(s, progress: Progress | None) -> None:
     each mapped to its rank."""
     from . import launchers  # imports ipyparallel's launchers
 
-    if not controller_running(s):
-        start_controller(s)
+    ensure_controller(s)
     known = set(s._client.ids)  # a hard restart's old engines may linger there a moment
     options = launchers.engine_options(s.plan, s._profile_dir)
     in_loop(s, s._cluster.start_engines(s.world_size, **options))
@@ -97,9 +96,26 @@ def start_controller(s) -> None:
     s._client.session.digest_history_size = DIGEST_HISTORY
 
 
+def ensure_controller(s) -> None:
+    """Keep a running controller (a hard restart's new engines register with it); replace
+    one that died, its client and connection files first, so nothing of it stays."""
+    if controller_running(s):
+        return
+    stop_controller(s)
+    start_controller(s)
+
+
 def controller_running(s) -> bool:
+    """By the process itself: the launcher's state lags a kill (its waiting thread notices
+    the exit, then the loop runs the callback), and a restart decided on that state once
+    kept a dead controller and then started a second one beside its files."""
     controller = getattr(s._cluster, "controller", None)
-    return s._client is not None and getattr(controller, "state", None) == "running"
+    if s._client is None or getattr(controller, "state", None) != "running":
+        return False
+    try:
+        return controller.process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def wait_for_engines(
@@ -237,6 +253,14 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
 
 def stop_processes(s) -> None:
     """Engines and controller (the store and the watchdog stay: see Session.stop)."""
+    close_client(s)
+    stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
+    stop_controller(s)
+    supervision.kill_leftovers(s)
+    s._pids = {}
+
+
+def close_client(s) -> None:
     with s._client_lock:
         if s._client is not None:
             try:
@@ -245,19 +269,22 @@ def stop_processes(s) -> None:
                 pass
             s._client = None
         s._unpurged = []
-    stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
-    if s._cluster is not None:
-        try:
-            in_loop(s, s._cluster.stop_controller())
-        except Exception as e:
-            log.warning("stopping the controller: %s", e)
-        # a controller that died leaves its connection files; a new one must not meet them
-        security = os.path.join(s._profile_dir, "security")
-        for path in glob.glob(os.path.join(security, f"ipcontroller-{s._cluster.cluster_id}-*")):
-            remove_quietly(path)
-        s._cluster = None
-    supervision.kill_leftovers(s)
-    s._pids = {}
+
+
+def stop_controller(s) -> None:
+    """The controller, running or dead, and its connection files (a controller that died
+    leaves them; a new one must not meet them). Engines first: see stop_processes."""
+    close_client(s)
+    if s._cluster is None:
+        return
+    try:
+        in_loop(s, s._cluster.stop_controller())
+    except Exception as e:
+        log.warning("stopping the controller: %s", e)
+    security = os.path.join(s._profile_dir, "security")
+    for path in glob.glob(os.path.join(security, f"ipcontroller-{s._cluster.cluster_id}-*")):
+        remove_quietly(path)
+    s._cluster = None
 
 
 def stop_engines(s) -> None:
