@@ -109,6 +109,7 @@ class Session:
         self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
+        self._ask_lock = threading.Lock()  # one question to the ranks at a time
         self._loop = None  # the event loop ipyparallel runs on (see processes.in_loop)
         self._watchdog = None
         self._made_init_file = False  # stop() removes a file:// path only if we made it

@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import engine_tuning, rank_services
+from . import engine_tuning, rank_services, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -108,6 +108,8 @@ def _set_environment(cfg: dict) -> None:
         iface = _loopback_interface()
         if iface:  # gloo listens where the hostname resolves, maybe a public address
             env["GLOO_SOCKET_IFNAME"] = iface
+    for key, value in wait_probe.flight_recorder_env().items():
+        env.setdefault(key, os.environ.get(key, value))  # a user's own setting stays
     os.environ.update(env)
     _STATE["cfg"] = cfg
 

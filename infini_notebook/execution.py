@@ -25,6 +25,7 @@ from .output import (
 )
 from .ranks import parse_ranks, parse_where, rank_label
 from .state import CellResult
+from .wait_watch import WaitWatch
 
 INTERRUPT_GRACE_S = 3.0
 COLLAPSE_HOLD_S = 2.0
@@ -40,6 +41,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     dead = supervision.dead_ranks(s, targets)
     if dead:
         raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
+    refuse_stuck(s, targets)
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
@@ -47,23 +49,47 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     with s._client_lock:
         ar = processes.ranks_view(s, targets).execute(code, silent=False, block=False)
     cell = Cell(ar, targets, labeler, printer)
+    watch = WaitWatch(s, cell, _cell_name())
     set_busy(s, targets, True)
     try:
-        follow(s, cell)
+        follow(s, cell, watch)
     except KeyboardInterrupt:
         stuck = interrupt_stuck(s, cell)
         raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
     finally:
         set_busy(s, targets, False)
         cell.detach()
-    result = collect(cell, time.perf_counter() - t0)
+    result = collect(cell, time.perf_counter() - t0, watch)
     processes.forget(s, ar.msg_ids)
     s.last = result
     if result.errors:
+        error = cell_error(s, result, targets, watch)
         s._errored |= set(result.errors)
-        raise cell_error(s, result, targets)
+        raise error
     s._errored -= set(targets)
     return result
+
+
+def refuse_stuck(s, targets: list[int]) -> None:
+    """A rank still running an earlier cell (one that ignored an interrupt, or a wait that
+    could not be released) would queue this one behind it, and ipykernel then aborts it."""
+    busy = sorted(supervision.still_stuck(s) & set(targets))
+    if busy:
+        raise DistUsageError(
+            f"{rank_label(busy)[1:-1]} still running an earlier cell (stuck in native code; "
+            "see %dist_stacks). Wait for the collective timeout, or run %dist_restart --hard."
+        )
+
+
+def _cell_name() -> str:
+    """'In[5]': the notebook cell this runs from, for messages that point at a line."""
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:
+        return ""
+    return f"In[{ip.execution_count}]" if ip is not None else ""
 
 
 def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) -> list[int]:
@@ -202,43 +228,77 @@ class Cell:
             self.shown[r] = len(md["outputs"])
 
 
-def follow(s, cell: Cell) -> None:
-    """Show output as it arrives and each rank idle as soon as it is; notice ranks that die."""
+def follow(s, cell: Cell, watch: WaitWatch) -> None:
+    """Show output as it arrives and each rank idle as soon as it is; notice ranks that
+    fail or die while others run, and release the waits that can never finish (watch)."""
     t0 = last_check = time.monotonic()
     running = set(cell.targets)
     while running:
-        if cell.changed.wait(DEAD_CHECK_S):
+        pause = min(DEAD_CHECK_S, max(0.01, watch.next_wake() - time.monotonic()))
+        if cell.changed.wait(pause):
             cell.changed.clear()  # before reading: a later message wakes the next wait
         finished = {r for r in running if cell.done(r)}
+        # A lost connection is a consequence: look for a dead peer first, to name it.
+        if running - finished and (
+            time.monotonic() - last_check > DEAD_CHECK_S or watch.lost_peer(finished)
+        ):
+            last_check = time.monotonic()
+            dead = set(supervision.dead_ranks(s, sorted(running - finished)))
+            if dead:  # their peers' waits are released below; the others finish
+                running -= dead
+                set_busy(s, dead, False)
+                watch.left(dead, running - finished, died=True)
         if finished:
             running -= finished
             set_busy(s, finished, False)
+            watch.left(finished, running)
         # --collapse holds output back a little, so that lines the ranks print at about
         # the same time arrive together and can be merged.
         if not cell.labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
             cell.show(final=False)
-        if running and time.monotonic() - last_check > DEAD_CHECK_S:
-            last_check = time.monotonic()
-            dead = supervision.dead_ranks(s, cell.targets)  # a dead rank's reply came too
-            if dead:
-                fail_dead(s, cell.targets, dead)
+        stuck = watch.tick(running)
+        if stuck:  # released, yet still waiting: native code that ignores the release
+            running -= stuck
+            give_up_stuck(s, cell, sorted(stuck))
 
 
-def collect(cell: Cell, elapsed: float) -> CellResult:
-    """The finished cell: its last output shown, its values and errors gathered."""
-    ar = cell.ar
-    ar.wait_for_output(timeout=2)  # iopub trails the replies a little
+def give_up_stuck(s, cell: Cell, stuck: list[int]) -> None:
+    """End the cell without ranks that could not be released: show where they are; the
+    next cell on them is refused (refuse_stuck) until they finish."""
+    with s._lock:
+        s._stuck |= set(stuck)
+    stacks = supervision.stacks(s, stuck)
+    report = "".join(f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck)
+    cell.printer.err(report)
+
+
+def collect(cell: Cell, elapsed: float, watch: WaitWatch) -> CellResult:
+    """The finished cell: its last output shown, its values and errors gathered. Ranks
+    without a reply (dead, or stuck after a release) are errors; tracebacks already shown
+    live, and those of ranks whose wait was released (their peer left), are not repeated."""
+    deadline = time.monotonic() + 2  # iopub trails the replies a little
+    for r in cell.targets:
+        if cell.done(r):
+            try:
+                cell.futures[r].output.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
     cell.show(final=True)
     result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}
-    replies = ar.get(return_exceptions=True)
-    for r, reply in zip(cell.targets, replies):
+    for r in cell.targets:
         md = cell.metadata(r)
         result.stdout[r] = md["stdout"]
         result.stderr[r] = md["stderr"]
+        if not cell.done(r):
+            gone = watch.gone.get(r)
+            result.errors[r] = "EngineError: its engine stopped" if gone else "still running"
+            continue
+        reply = cell.futures[r].result()
         if isinstance(reply, BaseException):
             result.errors[r] = one_line(reply)
-            if not _engine_died(reply):  # its traceback is ipyparallel's, not the user's
+            shown = r in watch.shown_live or watch.gone.get(r) == "released"
+            if not _engine_died(reply) and not shown:  # EngineError: ipyparallel's traceback
                 tracebacks[r] = remote_traceback(reply)
             if _collective_timed_out(reply):
                 result.timed_out.append(r)
@@ -274,31 +334,52 @@ def interrupt_stuck(s, cell: Cell) -> list[int]:
     return stuck
 
 
-def fail_dead(s, targets, dead: dict[int, str]) -> None:
-    alive = [r for r in targets if r not in dead]
-    supervision.send_signal(s, signal.SIGINT, alive)  # don't leave survivors waiting on the dead
-    for r in dead:
-        s._errored.add(r)
-    raise DistCellError(
-        f"{supervision.dead_text(dead)}. The other ranks were interrupted. {HARD_RESTART}",
-        ranks=sorted(dead),
-    )
-
-
-def cell_error(s, result: CellResult, targets: list[int]) -> DistCellError:
-    """The error a failed cell raises. A rank that died while the others finished
-    (ipyparallel answers for it with an EngineError) is named with its exit code."""
+def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> DistCellError:
+    """The error a failed cell raises, root cause first: the ranks that died (named with
+    their exit codes) or raised, then the waits released because of them, then what to do.
+    Released groups are rebuilt here (a soft restart), so the next cell just works."""
     died = supervision.dead_ranks(s, sorted(result.errors))
     for r, e in result.errors.items():
         if r not in died and e.startswith("EngineError"):
             died[r] = "its engine stopped"
-    if not died:
-        summary = error_summary(result.errors, targets) + _advice(result)
-        return DistCellError(summary, result.report, sorted(result.errors))
-    others = {r: e for r, e in result.errors.items() if r not in died}
-    also = f"; {error_summary(others, [])}" if others else ""
-    return DistCellError(
-        f"{supervision.dead_text(died)}{also}. {HARD_RESTART}", result.report, sorted(result.errors)
+    stuck = [r for r in result.errors if result.errors[r] == "still running"]
+    released = {r for r, why in watch.gone.items() if why == "released"} | set(watch.released)
+    aside = set(died) | released | set(stuck)
+    if not died and set(result.errors) <= aside:  # no other cause: lost peers are the news
+        aside -= released - set(watch.released)
+    causes = {r: e for r, e in result.errors.items() if r not in aside}
+    parts = []
+    if died:
+        parts.append(supervision.dead_text(died))
+    if causes:
+        parts.append(error_summary(causes, [r for r in targets if r not in aside]))
+    if watch.released:
+        parts.append(watch.released_text())
+    if stuck:
+        parts.append(
+            f"{rank_label(stuck)[1:-1]} could not be released (stacks above) and "
+            f"{'stays' if len(stuck) == 1 else 'stay'} busy until the "
+            f"{s.plan.timeout:.0f} s collective timeout"
+        )
+    if died or stuck:
+        advice = f". {HARD_RESTART}"
+    elif watch.released:
+        advice = ". " + _rebuild_groups(s)
+    else:
+        advice = _advice(result)
+    return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
+
+
+def _rebuild_groups(s) -> str:
+    """The soft restart after a release: new process groups, variables kept."""
+    try:
+        s.restart()
+    except Exception as e:
+        return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
+    return (
+        "The process groups were rebuilt (variables kept): `groups` and `mesh` are new; "
+        "re-create what you built on the old ones (DDP or FSDP modules, your own DeviceMesh "
+        "or new_group)."
     )
 
 
@@ -325,6 +406,7 @@ class Printer(Protocol):
     def out(self, text: str) -> None: ...
     def err(self, text: str) -> None: ...
     def display(self, label: str, output: dict) -> None: ...
+    def status(self, text: str, handle=None): ...  # optional: a line updated in place
 
 
 class TextPrinter:
@@ -342,6 +424,24 @@ class TextPrinter:
         if self.echo and text:
             sys.stderr.write(text)
             sys.stderr.flush()
+
+    def status(self, text: str, handle=None):
+        """A line updated in place (a display with an id); a terminal gets its first text."""
+        if not self.echo:
+            return handle
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is None or getattr(ip, "kernel", None) is None:
+            if handle is None:
+                self.err(f"{text}\n")
+            return True
+        from IPython.display import display
+
+        if handle is None:
+            return display({"text/plain": text}, raw=True, display_id=True)
+        handle.update({"text/plain": text}, raw=True)
+        return handle
 
     def display(self, label: str, output: dict) -> None:
         if not self.echo:

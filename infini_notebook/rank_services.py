@@ -30,8 +30,10 @@ def start(cfg: dict) -> None:
         install_signal_dump(cfg["stack_file"])
 
 
-# Session.stacks asks rank r for its stacks by setting stack_key(r, "ask", n), n counting up
+# The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
+# Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
+# nothing), "links" (its TCP connections: JSON), "abort" (abort its NCCL communicators).
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -61,12 +63,26 @@ def install_stack_dumper(cfg: dict) -> None:
                 continue
             answered += 1
             try:
-                store.set(stack_key(rank, "answer", answered), _dump_stacks(scratch))
+                question = store.get(ask).decode()
+                store.set(stack_key(rank, "answer", answered), answer(question, scratch))
                 store.delete_key(ask)
             except Exception:
                 pass
 
     threading.Thread(target=serve, args=(answered,), name="infini-stacks", daemon=True).start()
+
+
+def answer(question: str, scratch) -> str:
+    from . import wait_probe
+
+    if question == "wait":
+        return json.dumps(wait_probe.current_wait())
+    if question == "links":
+        return json.dumps(wait_probe.tcp_links())
+    if question == "abort":
+        wait_probe.abort_groups()
+        return "aborted"
+    return _dump_stacks(scratch)
 
 
 # A rank whose stack thread cannot run (native code holds the GIL: a CUDA copy waiting on a

@@ -71,29 +71,8 @@ def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[i
     """Every thread's Python stack on each rank (the cell's thread as 'Current thread').
     Asked and answered through the TCPStore, which a thread on each engine watches, so a
     rank busy in a cell or stuck in a collective answers, on this host or another."""
-    from datetime import timedelta
-
     targets = parse_ranks(ranks, s.world_size)
-    store = s._store
-    for key in s._late_stacks:  # answers that came after we stopped waiting
-        store.delete_key(key)
-    s._late_stacks = []
-    answers = {}
-    for r in targets:
-        n = store.add(engine.stack_key(r, "count"), 1)
-        store.set(engine.stack_key(r, "ask", n), "")
-        answers[r] = engine.stack_key(r, "answer", n)
-    try:
-        store.wait(list(answers.values()), timedelta(seconds=wait))
-    except Exception:  # a rank did not answer in time; the others did
-        pass
-    out: dict[int, str] = {}
-    for r, key in answers.items():
-        if store.check([key]):
-            out[r] = store.get(key).decode(errors="replace")
-            store.delete_key(key)
-        else:
-            s._late_stacks.append(key)
+    out = ask(s, targets, "", wait)
     silent = [r for r in targets if r not in out]
     out.update(signal_stacks(s, silent, wait))
     for r in silent:
@@ -103,6 +82,43 @@ def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[i
             "interpreter lock on another host)",
         )
     return dict(sorted(out.items()))
+
+
+def waits(s, ranks: list[int], wait: float = 1.0) -> dict[int, dict | None]:
+    """What each rank's cell waits in (see wait_probe.current_wait); None: not in a
+    torch.distributed call. Ranks that did not answer in time are left out."""
+    import json
+
+    return {r: json.loads(text) for r, text in ask(s, ranks, "wait", wait).items()}
+
+
+def ask(s, ranks: list[int], question: str, wait: float) -> dict[int, str]:
+    """Ask each rank's answering thread (rank_services) through the store; the answers
+    that came within ``wait`` seconds. Later ones are deleted at the next question."""
+    from datetime import timedelta
+
+    store = s._store
+    with s._ask_lock:  # a running cell asks while %dist_stacks may ask beside it
+        for key in s._late_stacks:  # answers that came after we stopped waiting
+            store.delete_key(key)
+        s._late_stacks = []
+        answers = {}
+        for r in ranks:
+            n = store.add(engine.stack_key(r, "count"), 1)
+            store.set(engine.stack_key(r, "ask", n), question)
+            answers[r] = engine.stack_key(r, "answer", n)
+        try:
+            store.wait(list(answers.values()), timedelta(seconds=wait))
+        except Exception:  # a rank did not answer in time; the others did
+            pass
+        out: dict[int, str] = {}
+        for r, key in answers.items():
+            if store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
+                store.delete_key(key)
+            else:
+                s._late_stacks.append(key)
+    return out
 
 
 def stack_file(s, rank: int) -> str | None:

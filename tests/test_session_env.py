@@ -25,17 +25,19 @@ def error_text(cell) -> str:
 
 def test_hang_inside_a_tp_group_fails_at_the_session_timeout(tp_kernel):
     tp_kernel.run("%%dist\nkeep = rank")
-    # rank 1 skips its tp group's all_reduce: rank 0 waits in groups.tp, not in the world
-    # group. Without the session's timeout on tp, it would wait torch's 30 minutes and
-    # this cell would hit its own 90 s limit instead of failing.
+    # rank 1 computes past the timeout instead of joining its tp group's all_reduce: rank 0
+    # waits in groups.tp, not in the world group, for a rank still running (no release).
+    # Without the session's timeout on tp, it would wait torch's 30 minutes and this cell
+    # would hit its own 90 s limit instead of failing.
     cell = tp_kernel.run(
-        "%%dist\nx = torch.ones(1)\nif rank != 1:\n"
-        "    dist.all_reduce(x, group=groups.tp)\nprint('done', rank)",
+        "%%dist\nimport time\nx = torch.ones(1)\nif rank != 1:\n"
+        "    dist.all_reduce(x, group=groups.tp)\nelse:\n    time.sleep(9)\nprint('done', rank)",
         allow_error=True,
         timeout=90,
     )
     err = error_text(cell)
     assert "rank 0" in err and "timed out" in err.lower(), err[-3000:]
+    assert "released" not in err
     assert "%dist_restart" in err
     tp_kernel.run("%dist_restart", timeout=120)
     out = text_of(

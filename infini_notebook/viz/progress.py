@@ -37,6 +37,14 @@ class OutputPrinter:
         if text:
             self.widget.append_stderr(text)
 
+    def status(self, text: str, handle=None):
+        """A line updated in place: a Label inside the output."""
+        if handle is None:
+            handle = widgets.Label(text)
+            self.widget.append_display_data(handle)
+        handle.value = text
+        return handle
+
     def display(self, label: str, output: dict) -> None:
         data = output.get("data", {})
         if set(data) == {"text/plain"}:

@@ -1,0 +1,186 @@
+"""Engine side: what this rank's cell is waiting in right now, read from a helper thread
+while the cell's thread blocks in torch.distributed (torch releases the GIL there), and
+releasing such waits when the kernel finds they can never finish.
+
+The cell thread's frames give the call (``all_reduce``, ``recv``...), its group object and
+peer, and the cell line it came from, on any backend; torch's Flight Recorder, where it is
+recording, adds the collective's sequence number in its group. The kernel compares what
+the ranks report (see ``waits.py``, pure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+# Flight Recorder keeps this many entries per rank when the engine sets TORCH_FR_BUFFER_SIZE
+# before its process groups are made (torch reads it then); a few KB.
+FLIGHT_RECORDER_ENTRIES = 200
+
+# torch.distributed calls a cell can block in, and the argument naming the other rank.
+_PEER_ARG = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
+_CALLS = frozenset(
+    {
+        "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+        "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list",
+        "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+        "barrier", "monitored_barrier", "broadcast_object_list", "send", "recv",
+        "send_object_list", "recv_object_list", "batch_isend_irecv",
+    }
+)  # fmt: skip
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_CELL_FILE_MARKS = ("ipykernel_", "<ipython-input-")
+
+
+def flight_recorder_env() -> dict[str, str]:
+    """Variables that turn the Flight Recorder on (both names: older torch reads the NCCL one)."""
+    n = str(FLIGHT_RECORDER_ENTRIES)
+    return {"TORCH_FR_BUFFER_SIZE": n, "TORCH_NCCL_TRACE_BUFFER_SIZE": n}
+
+
+def current_wait() -> dict | None:
+    """The torch.distributed call the main (cell) thread is in, or None (computing, idle).
+    Keys: op, group (its label), ranks (the group's global ranks), peer (send/recv),
+    seq (the collective's number in its group, from the Flight Recorder), line, func."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    call, cell = None, []
+    while frame is not None:
+        code = frame.f_code
+        if call is None and code.co_name in _CALLS and code.co_filename.endswith(_C10D_FILE):
+            call = frame  # the innermost: a collective may call others (object ones do)
+        if any(mark in code.co_filename for mark in _CELL_FILE_MARKS):
+            cell.append(frame)
+        frame = frame.f_back
+    if call is None:
+        return None
+    wait = _describe_call(call)
+    if cell:  # innermost cell frame: the user's line; outermost: the running cell itself
+        wait["line"] = cell[0].f_lineno
+        wait["in_cell"] = cell[0].f_code.co_filename == cell[-1].f_code.co_filename
+        wait["func"] = cell[0].f_code.co_name
+    return wait
+
+
+def _describe_call(frame) -> dict:
+    import torch.distributed as dist
+
+    op = frame.f_code.co_name
+    local = frame.f_locals
+    group = local.get("group")
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except Exception:  # a destroyed group, or not a process group
+        ranks = []
+    wait = {"op": op, "group": group_label(pg), "ranks": ranks, "peer": None, "seq": None}
+    if op in _PEER_ARG:
+        peer = local.get(_PEER_ARG[op])
+        if peer is None and local.get(f"group_{_PEER_ARG[op]}") is not None:
+            peer = ranks[local[f"group_{_PEER_ARG[op]}"]] if ranks else None
+        wait["peer"] = peer
+    else:
+        wait["seq"] = _pending_seq(pg)
+    return wait
+
+
+def group_label(pg) -> str:
+    """'world', the layout's kind ('tp', 'cp-dp': our groups are made with group_desc
+    'inb_<kind>'), or the group's ranks."""
+    import torch.distributed as dist
+
+    if pg is None or pg == dist.group.WORLD:
+        return "world"
+    desc = getattr(pg, "group_desc", "") or ""
+    if desc.startswith("inb_cpu_"):
+        return f"{desc[len('inb_cpu_') :]} (gloo twin)"
+    if desc.startswith("inb_"):
+        return desc[len("inb_") :].replace("_", " ")
+    try:
+        return f"the group of ranks {dist.get_process_group_ranks(pg)}"
+    except Exception:
+        return "a group"
+
+
+def _pending_seq(pg) -> int | None:
+    """The newest collective this rank enqueued on ``pg``, by the Flight Recorder."""
+    try:
+        import torch
+
+        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
+    except Exception:  # no Flight Recorder in this build, or it is not recording
+        return None
+    name = getattr(pg, "group_name", None)
+    seqs = [
+        e.get("collective_seq_id")
+        for e in dump.get("entries", [])
+        if (e.get("process_group") or [None])[0] == name and e.get("collective_seq_id")
+    ]
+    return max(seqs) if seqs else None
+
+
+def tcp_links() -> list[list]:
+    """This process's established TCP connections as [local, remote] (host, port) pairs."""
+    import psutil
+
+    return [
+        [[_host(c.laddr.ip), c.laddr.port], [_host(c.raddr.ip), c.raddr.port]]
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr
+    ]
+
+
+def _host(ip: str) -> str:
+    return ip.removeprefix("::ffff:")  # an IPv4 peer seen through an IPv6 socket
+
+
+def release_groups(peer_links: list[list] | None = None) -> str:
+    """End this rank's part in its process groups, so that peers blocked on it are
+    released. NCCL: abort the communicators (a destroy could wait for the very work that
+    hangs). gloo: destroy the groups, and shut down this process's connections to the
+    waiting peers (``peer_links``: their tcp_links): a group object still referenced (by
+    ``groups``, a DDP module, a saved frame) keeps its sockets open after a destroy, and
+    only a closed connection ends a gloo wait ('Connection closed by peer'). The kernel
+    rebuilds the groups afterwards (a soft restart)."""
+    import socket
+
+    import psutil
+    import torch.distributed as dist
+
+    from .engine import _STATE, teardown_distributed
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        abort_groups()
+        _STATE.pop("groups", None)
+        return "aborted"
+    teardown_distributed()
+    theirs = {(tuple(r), tuple(lo)) for lo, r in peer_links or []}  # as seen from here
+    closed = 0
+    for c in psutil.Process().net_connections("tcp"):
+        if not c.raddr or c.fd < 0:
+            continue
+        mine = ((_host(c.laddr.ip), c.laddr.port), (_host(c.raddr.ip), c.raddr.port))
+        if mine in theirs:
+            with socket.socket(fileno=os.dup(c.fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            closed += 1
+    return f"destroyed; {closed} connections to waiting ranks closed"
+
+
+def abort_groups() -> None:
+    """Abort this rank's NCCL communicators, from any thread: a collective waiting in
+    them raises (with TORCH_NCCL_ASYNC_ERROR_HANDLING set, instead of ending the process)."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    try:  # every group at once, inside one ncclGroupStart/End (torch issue 119797)
+        c10d._abort_process_group()
+        return
+    except Exception:
+        pass
+    for pg in list(getattr(c10d._world, "pg_map", {})):
+        try:
+            pg.abort()
+        except Exception:
+            pass

@@ -1,0 +1,192 @@
+"""Kernel side, while a cell runs: which ranks left it (raised, finished, died) and what the
+running ones wait in. A wait that can never finish (its group holds a rank that left) is
+released; a long wait with no rank gone is shown in place with where each rank waits.
+The pure part (who waits for whom, the sentences) is ``waits.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import processes, supervision, waits
+from .output import one_line, remote_traceback
+from .ranks import rank_label
+
+log = logging.getLogger("infini_notebook")
+
+GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left the cell
+HANG_AFTER_S = 2.0  # a cell this old with nobody gone shows where its ranks wait
+HANG_POLL_S = 1.0
+RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
+LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
+ASK_WAIT_S = 1.0  # answers come from a thread beside the cell: quick, unless the host is busy
+
+
+class WaitWatch:
+    """One running cell's view of its ranks' waits. ``follow`` feeds it the ranks that
+    leave (``left``) and calls ``tick`` in its loop."""
+
+    def __init__(self, s, cell, cell_name: str = ""):
+        self.s, self.cell, self.cell_name = s, cell, cell_name
+        self.gone: dict[int, str] = {}  # rank -> failed / finished / died
+        self.released: dict[int, list[int]] = {}  # rank -> the gone ranks it waited for
+        self.released_waits: dict[int, dict] = {}
+        self.released_at: float | None = None
+        self.ended: set[int] = set()  # gone ranks whose process groups were ended
+        self.aborted: set[int] = set()  # waiting ranks told to abort (NCCL)
+        self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
+        self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
+        self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
+        self.started = time.monotonic()
+        self.next_ask = self.started + HANG_AFTER_S
+        self.hang_shown = ""
+        self._handle = None
+
+    # ----- ranks leaving ------------------------------------------------------------------
+    def left(self, ranks, running: set[int], died: bool = False) -> None:
+        """``ranks`` left the cell while ``running`` still run it. A failure is shown at
+        once (the root cause, before the ranks waiting for it are released)."""
+        for r in sorted(ranks):
+            if died:
+                self.gone[r] = "died"
+                continue
+            reply = self.cell.futures[r].result()
+            if _engine_error(reply):  # ipyparallel's answer for a rank that went away
+                self.gone[r] = "died"
+                continue
+            failed = isinstance(reply, BaseException)
+            if r in self.released or (failed and peer_lost(one_line(reply))):
+                self.gone[r] = "released"  # a consequence, not a cause
+                continue
+            self.gone[r] = "failed" if failed else "finished"
+            if failed and running:
+                self.unshown[r] = time.monotonic()
+        if running:
+            self.next_ask = min(self.next_ask, time.monotonic())
+
+    def next_wake(self) -> float:
+        """When tick has work next (monotonic time)."""
+        return min([self.next_ask] + [t + LIVE_HOLD_S for t in self.unshown.values()])
+
+    def lost_peer(self, ranks) -> bool:
+        """Did one of ``ranks`` (just finished) fail because a peer went away?"""
+        for r in ranks:
+            reply = self.cell.futures[r].result()
+            if isinstance(reply, BaseException) and peer_lost(one_line(reply)):
+                return True
+        return False
+
+    # ----- while ranks run ----------------------------------------------------------------
+    def tick(self, running: set[int]) -> set[int]:
+        """Ask the running ranks where they wait when it is time; release hopeless waits.
+        Returns released ranks that are still running past the grace: stuck for good."""
+        now = time.monotonic()
+        self._show_failures(running, now)
+        if running and now >= self.next_ask:
+            self.next_ask = now + (GONE_POLL_S if self.gone else HANG_POLL_S)
+            try:  # never the end of a cell: without this watch it runs as it always did
+                found = supervision.waits(self.s, sorted(running), ASK_WAIT_S)
+                if self.gone:
+                    self._release(found, now)
+                elif any(found.values()):  # a rank waits: say where (not "all computing")
+                    self._show_hang(found, now)
+            except Exception as e:
+                log.warning("watching the ranks' waits: %s", e)
+        if self.released_at is not None and now - self.released_at > RELEASE_GRACE_S:
+            return running & set(self.released)
+        return set()
+
+    def _show_failures(self, running: set[int], now: float) -> None:
+        """A failure's traceback at once, while others still run. Ranks that fail together
+        (within LIVE_HOLD_S) are left to the final report, which groups identical ones."""
+        due = [r for r, t in self.unshown.items() if now - t >= LIVE_HOLD_S]
+        if not running or not due:
+            return
+        for r in sorted(due):
+            reply = self.cell.futures[r].result()
+            self.cell.printer.err(f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
+            self.shown_live.add(r)
+            del self.unshown[r]
+
+    def _release(self, found: dict, now: float) -> None:
+        hopeless = waits.hopeless(found, self.gone)
+        ready = {}
+        for r, needed in hopeless.items():
+            key = repr(sorted(found[r].items()))
+            first = self.seen.setdefault(r, (key, now))
+            if first[0] != key:
+                self.seen[r] = first = (key, now)
+            # A rank that finished may have sent what this one still receives: confirm
+            # the wait once before ending it. Raised and dead ranks never come back.
+            if any(self.gone[g] != "finished" for g in needed) or now - first[1] >= GONE_POLL_S:
+                ready[r] = needed
+        if not ready:
+            return
+        causes = {g for g, why in self.gone.items() if why != "released"}
+        for r, needed in ready.items():  # named by the ranks that caused it, if among them
+            self.released[r] = [g for g in needed if g in causes] or needed
+            self.released_waits[r] = found[r]
+        # Each rank's groups are ended once; a wait may need several (a ring waits on a
+        # neighbour that leaves only when released itself), so the grace starts anew.
+        new = {g for n in ready.values() for g in n if self.gone[g] != "died"} - self.ended
+        blocked = set(ready) - self.aborted
+        if new or blocked:
+            self.released_at = now
+            self.ended |= new
+            self.aborted |= blocked
+            end_groups(self.s, sorted(new), sorted(blocked), self.gone)
+
+    def _show_hang(self, found: dict, now: float) -> None:
+        waited = now - self.started
+        text = f"waiting {waited:.0f} s: {waits.verdict(found, self.cell_name)}"
+        self.hang_shown = text
+        status = getattr(self.cell.printer, "status", None)  # optional for a user's printer
+        if status is not None:
+            self._handle = status(text, self._handle)
+
+    # ----- the end --------------------------------------------------------------------------
+    def released_text(self) -> str:
+        if not self.released:
+            return ""
+        return waits.released_text(self.released, self.released_waits, self.gone, self.cell_name)
+
+
+def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -> None:
+    """Release waits on the ranks ``ending`` (they left the cell, alive): they end their
+    process groups and close their connections to every other rank (gloo: a wait on such a
+    connection raises 'Connection closed by peer'; a dead rank's closed with it). Only
+    groups that hold a rank that left are touched: a connection joins two ranks' processes
+    and serves only groups holding both. On NCCL the ``blocked`` ranks also abort their
+    communicators, from their answering thread: only an abort ends a wait in NCCL."""
+    import json
+
+    from . import wait_probe
+
+    if ending:
+        others = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
+        answers = supervision.ask(s, others, "links", ASK_WAIT_S)
+        links = [link for text in answers.values() for link in json.loads(text)]
+        with s._client_lock:
+            ar = processes.ranks_view(s, ending).apply_async(wait_probe.release_groups, links)
+        try:
+            log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))
+        except Exception as e:
+            log.warning("ending the process groups of %s: %s", ending, e)
+        processes.forget(s, ar.msg_ids)
+    if blocked and "nccl" in s.plan.backend:
+        supervision.ask(s, blocked, "abort", ASK_WAIT_S)
+
+
+# How a wait ends when its peer is gone: gloo's closed or reset connection, NCCL's abort.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "aborted")
+
+
+def peer_lost(error: str) -> bool:
+    """An error that says a peer went away (a consequence of another rank leaving)."""
+    text = error.lower()
+    return any(words in text for words in _PEER_LOST)
+
+
+def _engine_error(reply) -> bool:
+    return getattr(reply, "ename", type(reply).__name__) == "EngineError"

@@ -1,0 +1,111 @@
+"""Who waits for whom (pure): from what the running ranks report they wait in (see
+``wait_probe.current_wait``) and which ranks have left the cell, the waits that can never
+finish, and the sentences that say so.
+
+A wait is a dict: op, group (label), ranks (the group's global ranks), peer (send/recv),
+seq (the collective's number in its group, when the Flight Recorder knows), line, in_cell,
+func.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .ranks import rank_label
+
+# Why a rank left the cell, as the messages say it.
+LEFT = {"failed": "raised", "finished": "had finished the cell", "died": "died"}
+
+
+def ranks_text(ranks) -> str:
+    """'rank 2' or 'ranks 0-3'."""
+    return rank_label(sorted(ranks))[1:-1]
+
+
+def waited_for(wait: Mapping, gone: Mapping[int, str]) -> list[int]:
+    """The ranks that left the cell (``gone``: rank -> failed/finished/died) that this
+    wait needs: its peer for send/recv, else the members of its group."""
+    if wait.get("peer") is not None:
+        needed = [wait["peer"]]
+    else:
+        needed = wait.get("ranks") or []
+    return sorted(r for r in needed if r in gone)
+
+
+def hopeless(waits: Mapping[int, Mapping | None], gone: Mapping[int, str]) -> dict[int, list[int]]:
+    """Running ranks whose wait can never finish -> the gone ranks they wait for. A rank
+    computing (no wait) or waiting in a group of running ranks only is not among them."""
+    out = {}
+    for r, wait in waits.items():
+        if wait:
+            needed = waited_for(wait, gone)
+            if needed:
+                out[r] = needed
+    return out
+
+
+def where(wait: Mapping, cell: str = "") -> str:
+    """'all_reduce #7 on the tp group (In[5], line 4)'."""
+    seq = f" #{wait['seq']}" if wait.get("seq") else ""
+    group = wait.get("group") or "world"
+    place = f"{wait['op']}{seq} on the {group} group"
+    if wait.get("peer") is not None:
+        verb = "to" if wait["op"].startswith(("send", "isend")) else "from"
+        place = f"{wait['op']} {verb} rank {wait['peer']} on the {group} group"
+    line = wait.get("line")
+    if line is not None:
+        if wait.get("in_cell"):
+            place += f" ({cell}, line {line})" if cell else f" (line {line} of the cell)"
+        else:
+            place += f" (in {wait.get('func', '?')}, line {line})"
+    return place
+
+
+def released_text(
+    blocked: Mapping[int, list[int]],
+    waits: Mapping[int, Mapping | None],
+    gone: Mapping[int, str],
+    cell: str = "",
+) -> str:
+    """'ranks 1-3 were waiting for rank 0 in all_reduce on the world group (In[5], line 4):
+    released', one clause per distinct wait, ranks merged."""
+    by_place: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for r, needed in sorted(blocked.items()):
+        by_place.setdefault((where(waits[r], cell), tuple(needed)), []).append(r)
+    clauses = []
+    for (place, needed), ranks in by_place.items():
+        verb = "was" if len(ranks) == 1 else "were"
+        clauses.append(f"{ranks_text(ranks)} {verb} waiting for {ranks_text(needed)} in {place}")
+    return "; ".join(clauses) + ": released"
+
+
+def verdict(waits: Mapping[int, Mapping | None], cell: str = "") -> str:
+    """Where every running rank waits, merged by place, with what does not match within a
+    group: 'ranks 0-1 in all_reduce #7 on the tp group; ranks 2-3 in broadcast #7 on the
+    tp group: mismatch in the tp group [0, 1, 2, 3]'."""
+    places: dict[str, list[int]] = {}
+    for r, wait in sorted(waits.items()):
+        place = f"in {where(wait, cell)}" if wait else "computing (not in a collective)"
+        places.setdefault(place, []).append(r)
+    text = "; ".join(f"{ranks_text(ranks)} {place}" for place, ranks in places.items())
+    problems = mismatches(waits)
+    return text + (f": {'; '.join(problems)}" if problems else "")
+
+
+def mismatches(waits: Mapping[int, Mapping | None]) -> list[str]:
+    """Groups whose members wait in different calls, or in different collectives by number,
+    and members of a waited-in group that are not waiting in it."""
+    by_group: dict[tuple[int, ...], dict[int, Mapping]] = {}
+    for r, wait in waits.items():
+        if wait and wait.get("peer") is None and wait.get("ranks"):
+            by_group.setdefault(tuple(wait["ranks"]), {})[r] = wait
+    out = []
+    for members, inside in sorted(by_group.items()):
+        label = next(iter(inside.values())).get("group", "world")
+        calls = {(w["op"], w.get("seq")) for w in inside.values()}
+        absent = [r for r in members if r in waits and r not in inside]
+        if len(calls) > 1:
+            out.append(f"mismatch in the {label} group {list(members)}")
+        if absent:
+            out.append(f"{ranks_text(absent)} of the {label} group not in it")
+    return out

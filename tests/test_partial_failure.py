@@ -1,0 +1,120 @@
+"""One rank fails while its peers wait for it (issue 18), met as a user meets it in a real
+kernel on gloo: the root cause shows at once, the waits that can never finish are released
+within seconds (not at the collective timeout, 60 s here), ranks not waiting on the failed
+one finish normally, and the next cell just works."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import fresh_kernel, text_of
+
+pytestmark = pytest.mark.timeout(600)
+
+TIMEOUT = 60  # the session's collective timeout: every release here must beat it by far
+BOUND = 5 + 5  # the issue's 5 s from the raise, plus nbclient's and a loaded machine's share
+
+
+@pytest.fixture(scope="module")
+def tp_kernel():
+    with fresh_kernel() as cells:
+        cells.run(f"%dist_start --nprocs 4 --tp 2 --timeout {TIMEOUT}", timeout=240)
+        cells.run("%%dist\nkeep = rank * 10")
+        yield cells
+        cells.run("%dist_stop", allow_error=True)
+
+
+def run_timed(kernel, source):
+    t0 = time.perf_counter()
+    cell = kernel.run(source, allow_error=True, timeout=TIMEOUT + 30)
+    return cell, time.perf_counter() - t0
+
+
+def error_text(cell) -> str:
+    return "\n".join("\n".join(o.traceback) for o in cell.outputs if o.output_type == "error")
+
+
+def streamed(cell) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream")
+
+
+def assert_next_cell_works(kernel):
+    out = text_of(
+        kernel.run("%%dist\ny = torch.ones(1)\ndist.all_reduce(y)\nprint(y.item(), keep)")
+    )
+    assert all(f"[rank {r}] 4.0 {r * 10}" in out for r in range(4)), out  # variables kept
+    out = text_of(kernel.run("%%dist\nz = torch.ones(1)\ndist.all_reduce(z, group=groups.tp)\n"
+                             "print('tp', z.item())"))  # fmt: skip
+    assert all(f"[rank {r}] tp 2.0" in out for r in range(4)), out
+
+
+def test_world_collective_waiting_for_a_raised_rank(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nif rank == 0:\n    raise RuntimeError('rank 0 bails out')\n"
+        "dist.all_reduce(torch.ones(1))",
+    )
+    err = error_text(cell)
+    summary = err.split("DistCellError")[-1]
+    assert took < BOUND, took
+    # the root cause: shown as a stream while the others still waited, and first in the error
+    assert "[rank 0]" in streamed(cell) and "rank 0 bails out" in streamed(cell)
+    assert summary.lstrip(": \x1b[0m").startswith("rank 0: RuntimeError: rank 0 bails out"), summary
+    assert "ranks 1-3 were waiting for rank 0 in all_reduce" in summary
+    assert "on the world group (In[" in summary and "line 3)" in summary and "released" in summary
+    assert "re-create" in summary and "Connection closed" not in err  # no noise from the released
+    assert_next_cell_works(tp_kernel)
+
+
+def test_tp_wait_is_released_and_ranks_in_compute_are_left_alone(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nimport time\nif rank == 0:\n    raise ValueError('bad shape on 0')\n"
+        "if rank >= 2:\n    time.sleep(2)  # computing while rank 0 fails\n"
+        "x = torch.ones(1)\ndist.all_reduce(x, group=groups.tp)\nprint('tp done', x.item())",
+    )
+    out, err = text_of(cell), error_text(cell)
+    assert took < BOUND + 2, took
+    assert "[rank 2] tp done 2.0" in out and "[rank 3] tp done 2.0" in out  # untouched
+    assert "rank 1 was waiting for rank 0 in all_reduce" in err and "on the tp group" in err
+    assert "ranks 2-3 finished" in err
+    assert_next_cell_works(tp_kernel)
+
+
+def test_dp_wait_is_released(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nif rank == 1:\n    raise KeyError('missing on 1')\n"
+        "x = torch.ones(1)\ndist.all_reduce(x, group=groups.dp)\nprint('dp done', x.item())",
+    )
+    out, err = text_of(cell), error_text(cell)
+    assert took < BOUND, took
+    assert "[rank 0] dp done 2.0" in out and "[rank 2] dp done 2.0" in out  # dp {0, 2}
+    assert "rank 3 was waiting for rank 1 in all_reduce" in err and "on the dp group" in err
+    assert_next_cell_works(tp_kernel)
+
+
+def test_pipeline_recv_from_a_failed_stage_is_released(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nx = torch.zeros(4)\nif rank == 1:\n    raise RuntimeError('stage 1 broke')\n"
+        "if rank == 2:\n    dist.recv(x, src=1)\nprint('stage', rank)",
+    )
+    err = error_text(cell)
+    assert took < BOUND, took
+    assert "rank 2 was waiting for rank 1 in recv from rank 1" in err, err[-2000:]
+    assert "stage 1 broke" in err.split("DistCellError")[-1]
+    assert_next_cell_works(tp_kernel)
+
+
+def test_a_rank_that_dies_releases_its_waiting_peers(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nimport os\nif rank == 3:\n    os._exit(5)\ndist.all_reduce(torch.ones(1))",
+    )
+    summary = error_text(cell).split("DistCellError")[-1]
+    assert took < BOUND, took
+    assert "rank 3 died (exit code 5)" in summary and "--hard" in summary
+    assert "waiting for rank 3 in all_reduce" in summary and "released" in summary
+    assert "Connection" not in summary  # the peers' lost connections are consequences
