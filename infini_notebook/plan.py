@@ -53,6 +53,11 @@ class Placement:
         return places
 
     @property
+    def remote(self) -> bool:
+        """Whether some rank runs on another host (Slurm picks hosts: assume so)."""
+        return self.launcher == "slurm" or any(not is_loopback(h) for h, _ in self.hosts)
+
+    @property
     def multi_host(self) -> bool:
         return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm")
 

@@ -77,6 +77,26 @@ def start_engines(s, progress: Progress | None) -> None:
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
     s._eids = launchers.assign_ranks(identities, s.plan)
+    # Known from now on, so that a failed bootstrap can stop every engine at once.
+    for r, eid in enumerate(s._eids):
+        proc = own_process(s, identities[eid]["pid"])
+        if proc is not None:
+            s._pids[r] = proc
+
+
+def own_process(s, pid: int) -> psutil.Process | None:
+    """The process ``pid`` on this host if it is one of this session's: it carries the
+    session's mark (see watchdog.py). The pid an engine on another host reports may name an
+    unrelated process here, which must never be signalled."""
+    from .watchdog import MARK
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.environ().get(MARK) == s._profile_dir:
+            return proc
+    except psutil.Error:  # gone, or another user's: not ours
+        pass
+    return None
 
 
 def start_controller(s) -> None:
@@ -211,15 +231,51 @@ def bootstrap(s, progress: Progress | None = None) -> None:
     configs = {r: engine_config(s, r) for r in range(s.world_size)}
     with s._client_lock:
         pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
-    if progress:  # the gather below reports errors; this only counts finished ranks
-        while (done := sum(ar.ready() for ar in pending.values())) < s.world_size:
-            progress(done, s.world_size, "ranks initialised")
-            if any(ar.ready() and not ar.successful() for ar in pending.values()):
-                break
-            time.sleep(0.05)
-        progress(done, s.world_size, "ranks initialised")
+    failed = wait_for_bootstrap(s, pending, progress)
+    if failed is not None:
+        # The others wait for it in init_process_group until the timeout: stop them now.
+        stop_engines(s)
+        raise bootstrap_error(s, failed, pending[failed])
     infos = gather(s, pending, what="start")
     record_ranks(s, infos)
+
+
+def wait_for_bootstrap(s, pending: dict, progress: Progress | None) -> int | None:
+    """Wait until every rank is set up; the first rank that failed, if one did."""
+    deadline = time.monotonic() + s.plan.timeout + 60
+    while (done := sum(ar.ready() for ar in pending.values())) < len(pending):
+        if progress:
+            progress(done, len(pending), "ranks initialised")
+        failed = [r for r, ar in pending.items() if ar.ready() and not ar.successful()]
+        if failed:
+            return failed[0]
+        if time.monotonic() > deadline:
+            break  # the gather names the ranks that never answered
+        time.sleep(0.05)
+    if progress:
+        progress(done, len(pending), "ranks initialised")
+    return next((r for r, ar in pending.items() if not ar.successful()), None)
+
+
+def bootstrap_error(s, rank: int, ar, lines: int = 20) -> DistCellError:
+    """A rank failed to set up: its error, with the end of what it printed before."""
+    try:
+        ar.get(timeout=0)
+        error: BaseException = RuntimeError("failed")
+    except Exception as e:
+        error = e
+    ar.wait_for_output(timeout=0.5)  # output trails the reply a little
+    md = ar.metadata[0] if isinstance(ar.metadata, list) else ar.metadata
+    printed = "".join((md.get("stdout") or "", md.get("stderr") or ""))
+    tail = "".join(printed.splitlines(True)[-lines:])
+    report = error_report({rank: f"{tail}{remote_traceback(error)}"})
+    forget(s, ar.msg_ids)
+    return DistCellError(
+        f"Starting {s.world_size} ranks failed on rank {rank}: {one_line(error)}. "
+        f"The other ranks were stopped. {start_advice(s.plan)}",
+        report,
+        [rank],
+    )
 
 
 def host_name(s, rank: int, reported: str) -> str:
@@ -235,8 +291,9 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
     s.ranks = []
     for r in range(s.world_size):
         info = infos[r]
-        if not s.plan.placement.multi_host:  # remote pids mean nothing here (supervision.liveness)
-            s._pids[r] = psutil.Process(info["pid"])
+        proc = own_process(s, info["pid"])  # a remote pid means nothing here (see liveness)
+        if proc is not None:
+            s._pids[r] = proc
         s.ranks.append(
             RankState(
                 rank=r,
@@ -320,24 +377,26 @@ def start_error(plan: SessionPlan, e: Exception) -> DistCellError:
     """What a failed start says: the cause (an engine's own output when it exited) and
     advice that fits where the ranks run."""
     place = plan.placement
-    remote = place.launcher == "slurm" or any(not is_loopback(h) for h, _ in place.hosts)
     cause = str(e) if isinstance(e, EnginesExited) else one_line(e)
     output = getattr(e, "output", "").rstrip()
     seen = " (its output is above)" if output else ""
-    if remote:
-        advice = (
+    return DistCellError(
+        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
+        f"{cause}{seen}. Nothing is left running. {start_advice(plan)}",
+        f"{output}\n" if output else "",
+    )
+
+
+def start_advice(plan: SessionPlan) -> str:
+    """What to check when engines cannot start, for where they run."""
+    if plan.placement.remote:
+        return (
             "Check that the hosts are reachable and run the same Python with "
             "infini_notebook installed."
         )
-    else:
-        advice = (
-            f"The engines run {sys.executable} on this machine: check that it imports "
-            "ipyparallel, torch and infini_notebook, and your --env values."
-        )
-    return DistCellError(
-        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
-        f"{cause}{seen}. Nothing is left running. {advice}",
-        f"{output}\n" if output else "",
+    return (
+        f"The engines run {sys.executable} on this machine: check that it imports "
+        "ipyparallel, torch and infini_notebook, and your --env values."
     )
 
 
