@@ -380,6 +380,7 @@ class Session:
     def _require_running(self) -> None:
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+        processes.require_controller(self)
 
 
 def _unsendable_text(values: dict, error: Exception) -> str:

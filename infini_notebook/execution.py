@@ -222,6 +222,8 @@ def follow(s, cell: Cell) -> None:
             dead = supervision.dead_ranks(s, cell.targets)  # a dead rank's reply came too
             if dead:
                 fail_dead(s, cell.targets, dead)
+            if not processes.controller_running(s):  # no reply can come any more
+                raise DistCellError(processes.CONTROLLER_GONE, ranks=sorted(running))
 
 
 def collect(cell: Cell, elapsed: float) -> CellResult:

@@ -138,6 +138,54 @@ def controller_running(s) -> bool:
         return False
 
 
+CONTROLLER_TIMEOUT_S = 10.0  # the longest any single request to the controller may take
+CONTROLLER_GONE = (
+    "The session's ipyparallel controller is gone (it died or was killed), so nothing "
+    "reaches the ranks. Run %dist_restart --hard (variables are lost) or %dist_stop."
+)
+
+
+class ControllerGone(DistUsageError):
+    """The controller died: no request to the ranks can be answered."""
+
+    def __init__(self, what: str = ""):
+        super().__init__(f"{what}: {CONTROLLER_GONE}" if what else CONTROLLER_GONE)
+
+
+def require_controller(s, what: str = "") -> None:
+    if s._cluster is not None and not controller_running(s):
+        raise ControllerGone(what)
+
+
+def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_TIMEOUT_S):
+    """One request on the controller's query socket, its reply's content. Sent under the
+    client lock, waited for outside it, and never for longer than ``timeout``:
+    ipyparallel's own calls (queue_status, purge_results) wait for ever on a dead one."""
+    with s._client_lock:
+        client = s._client
+        if client is None:
+            raise ControllerGone(msg_type)
+        future = client._send(client._query_stream, msg_type, content=content)
+    try:
+        reply = future.result(timeout=timeout)
+    except Exception:
+        require_controller(s, msg_type)
+        raise TimeoutError(f"the controller did not answer {msg_type} in {timeout:.0f}s") from None
+    content = reply["content"]
+    if content.get("status") != "ok":
+        raise RuntimeError(f"the controller refused {msg_type}: {content}")
+    return content
+
+
+def queue_status(s) -> dict[int, dict]:
+    """Each engine's queue lengths (``Client.queue_status()``, bounded)."""
+    from ipyparallel import util
+
+    content = ask_controller(s, "queue_request", {"targets": None, "verbose": False})
+    content.pop("status", None)
+    return util.int_keys(content)
+
+
 def wait_for_engines(
     s, progress: Progress | None, known: set[int], timeout: float = 120
 ) -> list[int]:
@@ -412,8 +460,12 @@ def gather(s, pending: dict, what: str, timeout: float | None = None) -> dict:
     deadline = time.monotonic() + (timeout or s.plan.timeout + 60)
     out, errors, tracebacks = {}, {}, {}
     for r, ar in pending.items():
+        while not ar.ready() and time.monotonic() < deadline:  # a dead controller never answers
+            ar.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            if not ar.ready() and not controller_running(s):
+                raise DistCellError(f"{what}: {CONTROLLER_GONE}")
         try:
-            out[r] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[r] = ar.get(timeout=0)
         except Exception as e:
             errors[r] = one_line(e)
             tracebacks[r] = remote_traceback(e)
@@ -454,17 +506,8 @@ def purge_hub(s) -> None:
     as a pulled tensor). On the session's loop thread, at most once per
     HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
     the controller counts a task finished a little after the client does."""
-    with s._client_lock:
-        s._hub_purge_queued = False
-        client = s._client
-        if client is None:
-            return
-        try:  # purge_hub_results would wait for ever on a controller that is gone
-            reply = client._send(
-                client._query_stream,
-                "purge_request",
-                content={"engine_ids": [], "msg_ids": "all"},
-            )
-            reply.result(timeout=10)
-        except Exception as e:
-            log.debug("controller purge: %s", e)
+    s._hub_purge_queued = False
+    try:
+        ask_controller(s, "purge_request", {"engine_ids": [], "msg_ids": "all"})
+    except Exception as e:
+        log.debug("controller purge: %s", e)

@@ -62,8 +62,9 @@ def still_stuck(s) -> set[int]:
 
 def stuck_ranks(s) -> list[int]:
     """Ranks whose engine still has work queued or running."""
-    with s._client_lock:
-        status = s._client.queue_status()
+    from .processes import queue_status
+
+    status = queue_status(s)
     return [r for r in range(s.world_size) if status.get(s._eids[r], {}).get("queue", 0) > 0]
 
 

@@ -8,7 +8,6 @@ import os
 import time
 
 import psutil
-import pytest
 from conftest import REPO, text_of, use_session
 
 
@@ -58,6 +57,69 @@ def test_one_rank_failing_at_start_stops_the_others_and_reports_it_at_once(kerne
     assert took < 3, f"reported {took:.1f} s after rank 2 failed"
     assert psutil.Process(kernel.kernel_pid).children(recursive=True) == []  # nothing left
     kernel.run("%dist_start --nprocs 2", timeout=240)  # and the next start works
+    assert "[rank 1] 2.0" in text_of(
+        kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())")
+    )
+
+
+KILL_CONTROLLER = (
+    "import psutil\nfrom infini_notebook import cluster as _c\n"
+    "psutil.Process(_c.current()._cluster.controller.process.pid).kill()"
+)
+GONE = "controller"  # what every refusal names
+
+
+def timed(kernel, source: str, **kw):
+    t0 = time.perf_counter()
+    cell = kernel.run(source, **kw)
+    return cell, time.perf_counter() - t0
+
+
+def test_every_magic_answers_at_once_when_the_controller_is_dead(kernel):
+    use_session(kernel, "--nprocs 2 --timeout 20")
+    kernel.run("x = 1\n%dist_pull rank")
+    kernel.run(KILL_CONTROLLER)
+    refused = [
+        "%%dist\nprint('ran')",
+        "%%dist --background\nprint('ran')",
+        "%dist_pull rank",
+        "%dist_push x",
+        "%dist_restart",
+        "%dist_bench --sizes 1K --iters 1 --warmup 0",
+        "%dist_debug print(1)",
+    ]
+    for source in refused:
+        cell, took = timed(kernel, source, allow_error=True, timeout=60)
+        err = error_text(cell)
+        assert GONE in err and "%dist_restart --hard" in err, (source, err)
+        assert "[rank" not in text_of(cell, "stdout"), source
+        assert took < 10, (source, took)
+    answered = {  # these need no controller: they work on
+        "%dist_stacks": "[rank 1]",
+        "%dist_interrupt": "No background cell",
+        "%dist_status": "2 ranks",
+    }
+    for source, expected in answered.items():
+        cell, took = timed(kernel, source, timeout=60)
+        assert expected in text_of(cell), (source, text_of(cell))
+        assert took < 10, (source, took)
+    cell, took = timed(kernel, "%dist_stop", timeout=60)
+    assert "Session stopped." in text_of(cell) and took < 10
+    assert psutil.Process(kernel.kernel_pid).children(recursive=True) == []
+
+
+def test_a_cell_fails_soon_after_the_controller_dies_under_it(kernel):
+    use_session(kernel, "--nprocs 2 --timeout 20")
+    kernel.run(
+        "import threading\nthreading.Timer(1.0, lambda: exec("
+        + repr(KILL_CONTROLLER)
+        + ")).start()"
+    )
+    cell, took = timed(kernel, "%%dist\nimport time\ntime.sleep(30)", allow_error=True, timeout=90)
+    err = error_text(cell)
+    assert GONE in err and "%dist_restart --hard" in err, err
+    assert took < 10
+    cell = kernel.run("%dist_restart --hard", timeout=180)  # and the session comes back
     assert "[rank 1] 2.0" in text_of(
         kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())")
     )
