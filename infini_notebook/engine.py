@@ -104,12 +104,27 @@ def _drop_logged_outputs(result=None) -> None:
 
 def _set_environment(cfg: dict) -> None:
     env = engine_environment(cfg)
-    if cfg.get("loopback_only") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        iface = _loopback_interface()
-        if iface:  # gloo listens where the hostname resolves, maybe a public address
-            env["GLOO_SOCKET_IFNAME"] = iface
+    iface = _loopback_interface() if cfg.get("loopback_only") else None
+    env.update(backend_defaults(os.environ, iface))
     os.environ.update(env)
     _STATE["cfg"] = cfg
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a failed or timed-out NCCL collective
+# aborts its communicators and raises in the rank, which lives on. torch's default (3)
+# tears the process down, so a soft restart would find it dead.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def backend_defaults(environ, loopback_iface: str | None) -> dict[str, str]:
+    """gloo's and NCCL's settings that a rank gets unless the user set them (in --env or
+    the kernel's environment). On a loopback-only session both backends listen on the
+    loopback interface: by default they listen where the hostname resolves, maybe a
+    public address. Pure."""
+    wanted = dict([NCCL_ERROR_HANDLING])
+    if loopback_iface:
+        wanted.update(GLOO_SOCKET_IFNAME=loopback_iface, NCCL_SOCKET_IFNAME=loopback_iface)
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def engine_environment(cfg: dict) -> dict[str, str]:

@@ -123,3 +123,14 @@ def test_a_cell_fails_soon_after_the_controller_dies_under_it(kernel):
     assert "[rank 1] 2.0" in text_of(
         kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())")
     )
+
+
+def test_engines_pin_nccl_to_loopback_and_keep_what_the_user_set(kernel):
+    use_session(kernel, "--nprocs 2 --env TORCH_NCCL_ASYNC_ERROR_HANDLING=1")
+    out = text_of(
+        kernel.run(
+            "%%dist\nimport os\nprint([os.environ.get(k) for k in ('NCCL_SOCKET_IFNAME', "
+            "'GLOO_SOCKET_IFNAME', 'TORCH_NCCL_ASYNC_ERROR_HANDLING')])"
+        )
+    )
+    assert "[rank 1] ['lo', 'lo', '1']" in out

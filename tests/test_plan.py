@@ -218,3 +218,18 @@ def test_stack_dump_taken_on_a_helper_thread_reads_as_the_cell_thread():
     seen = as_seen_by_thread(dump, main=0xAA, helper=0xCC)
     assert seen.startswith("Current thread 0x00000000000000aa") and "in f" in seen
     assert "Thread 0x00000000000000bb" in seen and "_dump_stacks" not in seen
+
+
+def test_backends_stay_on_loopback_and_nccl_errors_raise_unless_the_user_says_otherwise():
+    from infini_notebook.engine import backend_defaults
+
+    env = backend_defaults({}, "lo")
+    assert env == {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",  # NCCL too, not only gloo (#20 item 3)
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # a timed-out collective raises (item 4)
+    }
+    users = {"NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert backend_defaults(users, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}
+    # a session across hosts: the interfaces are the user's choice (--env)
+    assert backend_defaults({}, None) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
