@@ -335,3 +335,30 @@ def _check_layout(world: int, layout: dict) -> dict:
         return ParallelLayout(world_size=world, **given).to_dict()
     except (TypeError, ValueError) as e:
         raise DistUsageError(f"Bad parallel layout: {e}") from None
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(plan: SessionPlan, environ: dict) -> str:
+    """The TORCH_NCCL_ASYNC_ERROR_HANDLING the ranks run with: the user's (--env, or the
+    kernel's environment that local engines inherit), else the session's "2"."""
+    given = dict(plan.placement.env)
+    if NCCL_ERROR_HANDLING in given:
+        return given[NCCL_ERROR_HANDLING]
+    if not plan.placement.remote and NCCL_ERROR_HANDLING in environ:
+        return environ[NCCL_ERROR_HANDLING]
+    return "2"
+
+
+def soft_restart_fails(plan: SessionPlan, environ: dict) -> str | None:
+    """Why a soft restart cannot recover from a timed-out collective, None when it can. On
+    NCCL only TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeps a timed-out rank alive: 1 and 3
+    (torch's default) tear it down, 0 leaves its GPU work hanging."""
+    if plan.backend != "nccl":
+        return None
+    value = nccl_error_handling(plan, environ)
+    if value == "2":
+        return None
+    what = "leaves the GPU work hanging" if value == "0" else "tears a timed-out rank down"
+    return f"with {NCCL_ERROR_HANDLING}={value} NCCL {what}"

@@ -233,3 +233,15 @@ def test_backends_stay_on_loopback_and_nccl_errors_raise_unless_the_user_says_ot
     assert backend_defaults(users, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}
     # a session across hosts: the interfaces are the user's choice (--env)
     assert backend_defaults({}, None) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def test_recovery_advice_follows_the_backend_and_nccl_error_handling():
+    from infini_notebook.plan import soft_restart_fails
+
+    assert soft_restart_fails(make_plan(nprocs=2), {}) is None  # gloo: the ranks live on
+    nccl = make_plan(gpus=2, visible_gpus=["0", "1"])
+    assert soft_restart_fails(nccl, {}) is None  # the session's own setting (2)
+    torn = soft_restart_fails(nccl, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    assert torn == "with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 NCCL tears a timed-out rank down"
+    given = make_plan(gpus=2, visible_gpus=["0", "1"], env=["TORCH_NCCL_ASYNC_ERROR_HANDLING=0"])
+    assert "leaves the GPU work hanging" in soft_restart_fails(given, {})
