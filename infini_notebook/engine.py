@@ -103,6 +103,12 @@ def _drop_logged_outputs(result=None) -> None:
 
 
 def _set_environment(cfg: dict) -> None:
+    cuda = cfg.get("cuda")
+    if cuda is not None and cuda[0] is None:  # the host's launcher chose our GPUs
+        from .plan import launcher_device
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cfg["cuda"] = (None, launcher_device(visible, cfg["local_rank"], cfg["local_world_size"]))
     env = engine_environment(cfg)
     iface = _loopback_interface() if cfg.get("loopback_only") else None
     env.update(backend_defaults(os.environ, iface))
@@ -147,7 +153,7 @@ def engine_environment(cfg: dict) -> dict[str, str]:
         "OMP_NUM_THREADS": cfg["threads"],
         **ParallelLayout(**cfg["layout"]).to_env(),
     }
-    if cfg.get("cuda") is not None:
+    if cfg.get("cuda") is not None and cfg["cuda"][0] is not None:
         env["CUDA_VISIBLE_DEVICES"] = cfg["cuda"][0]
     return {key: str(value) for key, value in env.items()}
 

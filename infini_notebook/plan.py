@@ -96,16 +96,39 @@ class SessionPlan:
     def device_kind(self) -> str:
         return "cuda" if self.gpus else "cpu"
 
-    def cuda_devices(self, rank: int) -> tuple[str, int] | None:
+    def cuda_devices(self, rank: int) -> tuple[str | None, int] | None:
         """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU. As under torchrun,
         a rank sees every GPU its node's ranks use, in LOCAL_RANK order, so its own GPU is
-        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged."""
+        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged.
+        Ranks started by ssh, mpiexec or Slurm get None for CUDA_VISIBLE_DEVICES: they keep
+        what their host or scheduler gave them (see ``launcher_device``)."""
         if not self.gpus:
             return None
         places = self.placement.rank_places(self.world_size)
         node, local_rank, _ = places[rank]
+        if self.placement.launcher != "local":
+            return None, local_rank
         on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
         return ",".join(gpu for _, gpu in on_node), local_rank
+
+
+def launcher_device(visible: str | None, local_rank: int, local_world: int) -> int:
+    """The device index of a rank whose host or scheduler chose its GPUs, from the
+    CUDA_VISIBLE_DEVICES it inherited (Slurm sets it to the job's GPUs on a shared node):
+    its LOCAL_RANK-th GPU of those, or the only one when the launcher bound one GPU to
+    each rank (``srun --gpus-per-task=1``). Never a GPU outside that list."""
+    if visible is None:  # the host gives us all its GPUs
+        return local_rank
+    entries = [x for x in visible.split(",") if x.strip()]
+    if len(entries) >= local_world:
+        return local_rank
+    if len(entries) == 1:
+        return 0
+    raise DistUsageError(
+        f"This host gives {len(entries)} GPUs (CUDA_VISIBLE_DEVICES={visible!r}) to its "
+        f"{local_world} ranks. Ask the scheduler for {local_world} GPUs per node "
+        "(--gpus-per-node), or start fewer ranks per host."
+    )
 
 
 def parse_init_method(text: str | None, bind_address: str = "127.0.0.1") -> InitMethod:

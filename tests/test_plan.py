@@ -95,8 +95,22 @@ def test_cuda_local_rank_is_the_ranks_gpu_on_every_node(slots, data):
     visible, index = plan.cuda_devices(rank)
     node, local_rank, local_world = places[rank]
     assert index == local_rank  # torch.cuda.set_device(LOCAL_RANK) picks this rank's GPU
-    assert visible.split(",")[index] == plan.gpus[rank]
-    assert len(visible.split(",")) == local_world == slots[node]
+    assert visible is None  # the host's own CUDA_VISIBLE_DEVICES stays (#20 item 5)
+    assert local_world == slots[node]
+
+
+def test_ranks_on_other_hosts_use_only_the_gpus_their_host_gave_them():
+    from infini_notebook.plan import launcher_device
+
+    # Slurm gave this job GPUs 4-7 of a shared node: local rank 2 is the third of those
+    # (device 2 within CUDA_VISIBLE_DEVICES), never physical GPU 2 of another job
+    assert launcher_device("4,5,6,7", 2, 4) == 2
+    assert launcher_device(None, 3, 4) == 3  # nothing set: the host's GPUs, torchrun's way
+    assert launcher_device("6", 3, 4) == 0  # one GPU bound to each task
+    with pytest.raises(DistUsageError, match="gives 2 GPUs"):
+        launcher_device("4,5", 2, 4)
+    with pytest.raises(DistUsageError, match="gives 0 GPUs"):
+        launcher_device("", 0, 2)
 
 
 def test_engine_environment_carries_torchrun_layout_and_gpu_variables():
