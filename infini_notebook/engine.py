@@ -313,8 +313,17 @@ def identity() -> dict:
     launcher_rank = next(
         (env[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID") if k in env), None
     )
+    local_rank = next(
+        (
+            env[k]
+            for k in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+            if k in env
+        ),
+        None,
+    )
     return {
         "launcher_rank": launcher_rank,
+        "launcher_local_rank": local_rank,
         "host_index": env.get("INFINI_HOST_INDEX"),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),

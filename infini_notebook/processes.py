@@ -77,6 +77,7 @@ def start_engines(s, progress: Progress | None) -> None:
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
     s._eids = launchers.assign_ranks(identities, s.plan)
+    launchers.check_placement([identities[e] for e in s._eids], s.plan)
     # Known from now on, so that a failed bootstrap can stop every engine at once.
     for r, eid in enumerate(s._eids):
         proc = own_process(s, identities[eid]["pid"])

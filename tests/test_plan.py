@@ -259,3 +259,21 @@ def test_recovery_advice_follows_the_backend_and_nccl_error_handling():
     assert torn == "with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 NCCL tears a timed-out rank down"
     given = make_plan(gpus=2, visible_gpus=["0", "1"], env=["TORCH_NCCL_ASYNC_ERROR_HANDLING=0"])
     assert "leaves the GPU work hanging" in soft_restart_fails(given, {})
+
+
+def test_a_cyclic_distribution_across_hosts_is_refused():
+    from infini_notebook.launchers import check_placement
+
+    plan = make_plan(launcher="slurm", nnodes=2, gpus_per_node=2, bind_address="10.0.0.5")
+
+    def ident(host, local):
+        return {"hostname": host, "launcher_local_rank": str(local)}
+
+    check_placement([ident("a", 0), ident("a", 1), ident("b", 0), ident("b", 1)], plan)  # block
+    cyclic = [ident("a", 0), ident("b", 0), ident("a", 1), ident("b", 1)]
+    with pytest.raises(DistUsageError, match="Rank 1 runs on b as local rank 0.*block"):
+        check_placement(cyclic, plan)
+    # a launcher that names no local rank (ssh): the hosts are checked
+    no_local = [{"hostname": h} for h in ("a", "b", "a", "b")]
+    with pytest.raises(DistUsageError, match="The ranks of host 0 run on a, b"):
+        check_placement(no_local, plan)
