@@ -59,7 +59,9 @@ class Placement:
 
     @property
     def multi_host(self) -> bool:
-        return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm")
+        """Ranks may run away from the kernel's host (any host that is not loopback): they
+        watch the kernel's store, not its pid, and dump stacks to no local file."""
+        return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm") or self.remote
 
 
 @dataclass(frozen=True)

@@ -134,3 +134,25 @@ def test_engines_pin_nccl_to_loopback_and_keep_what_the_user_set(kernel):
         )
     )
     assert "[rank 1] ['lo', 'lo', '1']" in out
+
+
+def test_a_pid_is_ours_only_if_the_process_carries_the_sessions_mark(tmp_path):
+    """A remote engine reports a pid that may name an unrelated process here: only a
+    process marked with the session's profile folder is ever recorded (and signalled)."""
+    import subprocess
+    import sys
+    import types
+
+    from infini_notebook.processes import own_process
+
+    s = types.SimpleNamespace(_profile_dir=str(tmp_path / "profile"))
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    stranger = subprocess.Popen(sleep)
+    ours = subprocess.Popen(sleep, env=dict(os.environ, IPP_PROFILE_DIR=s._profile_dir))
+    try:
+        assert own_process(s, stranger.pid) is None
+        assert own_process(s, ours.pid).pid == ours.pid
+        assert own_process(s, 2**22 + 1) is None  # no such pid
+    finally:
+        stranger.kill()
+        ours.kill()

@@ -277,3 +277,9 @@ def test_a_cyclic_distribution_across_hosts_is_refused():
     no_local = [{"hostname": h} for h in ("a", "b", "a", "b")]
     with pytest.raises(DistUsageError, match="The ranks of host 0 run on a, b"):
         check_placement(no_local, plan)
+
+
+def test_one_remote_host_makes_a_multi_host_session():
+    one_remote = make_plan(launcher="mpi", hosts="node1:8", bind_address="10.0.0.5")
+    assert one_remote.placement.multi_host  # engines there cannot watch the kernel's pid
+    assert not make_plan(launcher="mpi", nprocs=2).placement.multi_host  # this host only
