@@ -67,7 +67,19 @@ def plan_from_options(options: StartOptions | None = None, **keywords) -> Sessio
         options = options or StartOptions(**keywords)
     except TypeError as e:  # a keyword that is no option
         raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
-    return make_plan(options, visible_gpus=visible_cuda_devices())
+    return make_plan(options, visible_gpus=visible_cuda_devices(), host_addresses=host_addresses())
+
+
+def host_addresses() -> list[str]:
+    """This machine's IPv4 addresses (for a bind address of 0.0.0.0: see plan.reachable)."""
+    import socket
+
+    return [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET
+    ]
 
 
 def visible_cuda_devices() -> list[str]:

@@ -46,7 +46,7 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
     }
     if plan.bind_address not in LOOPBACK:
         # Traffic leaves this machine: encrypt and authenticate ipyparallel's sockets.
-        opts["controller_location"] = plan.bind_address
+        opts["controller_location"] = plan.controller_address or plan.bind_address
         opts["controller_args"].append("--IPController.enable_curve=True")
     return opts
 

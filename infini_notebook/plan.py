@@ -93,6 +93,10 @@ class SessionPlan:
     threads_per_rank: int = 1
     bind_address: str = "127.0.0.1"
     placement: Placement = field(default_factory=Placement)
+    # Where ranks connect to the controller and the store: the listening address, or for
+    # one that listens on every interface (0.0.0.0) an address of this host they can reach.
+    controller_address: str = ""
+    store_address: str = ""
 
     @property
     def device_kind(self) -> str:
@@ -175,14 +179,60 @@ def make_plan(
     *,
     visible_gpus: list[str] | None = None,
     cpu_count: int | None = None,
+    host_addresses: list[str] | None = None,
     layout: dict | None = None,
     **keywords,
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
     problem with a message that names the fix. Without ``options``, the keywords (and
-    ``layout``) fill a StartOptions."""
+    ``layout``) fill a StartOptions. ``host_addresses``: this machine's IP addresses."""
     if options is None:
         options = StartOptions(**keywords, **(layout or {}))
+    plan = _make_plan(options, visible_gpus, cpu_count)
+    return with_addresses(plan, host_addresses or [])
+
+
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def with_addresses(plan: SessionPlan, host_addresses: list[str]) -> SessionPlan:
+    """The plan with the addresses ranks connect to (see ``reachable``)."""
+    import dataclasses
+
+    method = plan.init_method
+    store_host = method.host if method.kind == "tcp" else plan.bind_address
+    return dataclasses.replace(
+        plan,
+        controller_address=reachable(plan, plan.bind_address, host_addresses, "--bind-address"),
+        store_address=reachable(plan, store_host, host_addresses, "the host of --init-method"),
+    )
+
+
+def reachable(plan: SessionPlan, host: str, host_addresses: list[str], flag: str) -> str:
+    """The address ranks connect to for a socket listening on ``host``. 0.0.0.0 listens on
+    every interface but is no address to connect to: ranks on this host use loopback,
+    ranks elsewhere the bind address, or this host's one routable address."""
+    if host not in WILDCARDS:
+        return host
+    if not plan.placement.remote:
+        return "127.0.0.1"
+    if plan.bind_address not in WILDCARDS and not is_loopback(plan.bind_address):
+        return plan.bind_address
+    routable = [a for a in host_addresses if not is_loopback(a) and a not in WILDCARDS]
+    if len(routable) == 1:
+        return routable[0]
+    raise DistUsageError(
+        f"{flag} {host} listens on every interface, but ranks on other hosts need one "
+        f"address of this machine to connect to, and it has "
+        + (f"several: {', '.join(routable)}." if routable else "none but loopback.")
+        + " Pass --bind-address with the one those hosts reach"
+        + (" (and --init-method tcp://THAT_ADDRESS:PORT)." if flag != "--bind-address" else ".")
+    )
+
+
+def _make_plan(
+    options: StartOptions, visible_gpus: list[str] | None, cpu_count: int | None
+) -> SessionPlan:
     o = options
     if o.backend not in BACKENDS:
         raise DistUsageError(

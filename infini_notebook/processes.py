@@ -249,7 +249,8 @@ def in_loop(s, coro, timeout: float = 120):
 def engine_config(s, rank: int) -> dict:
     kernel = psutil.Process()
     method = s.plan.init_method
-    store = {"kind": method.kind, "host": s._store.host, "port": s._store.port}
+    address = s.plan.store_address or s._store.host  # never 0.0.0.0: see plan.reachable
+    store = {"kind": method.kind, "host": address, "port": s._store.port}
     if method.kind == "file":
         store = {"kind": "file", "path": method.path}
     group_rank, local_rank, local_world = s.plan.placement.rank_places(s.world_size)[rank]
@@ -261,7 +262,7 @@ def engine_config(s, rank: int) -> dict:
         "group_rank": group_rank,
         "watch": "store" if s.plan.placement.multi_host else "pid",
         "loopback_only": s.plan.bind_address in LOOPBACK,
-        "master_addr": s._store.host,
+        "master_addr": address,
         "master_port": s._store.port,
         "backend": s.plan.backend,
         "timeout": s.plan.timeout,

@@ -156,3 +156,14 @@ def test_a_pid_is_ours_only_if_the_process_carries_the_sessions_mark(tmp_path):
     finally:
         stranger.kill()
         ours.kill()
+
+
+def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    use_session(kernel, f"--nprocs 2 --init-method tcp://0.0.0.0:{port}")
+    out = text_of(kernel.run("%%dist\nimport os\nprint(os.environ['MASTER_ADDR'])"))
+    assert "[rank 1] 127.0.0.1" in out  # not 0.0.0.0, which is no address to connect to

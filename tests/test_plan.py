@@ -283,3 +283,23 @@ def test_one_remote_host_makes_a_multi_host_session():
     one_remote = make_plan(launcher="mpi", hosts="node1:8", bind_address="10.0.0.5")
     assert one_remote.placement.multi_host  # engines there cannot watch the kernel's pid
     assert not make_plan(launcher="mpi", nprocs=2).placement.multi_host  # this host only
+
+
+def test_ranks_are_never_told_to_connect_to_0_0_0_0():
+    from infini_notebook.launchers import cluster_options
+
+    one = ["127.0.0.1", "10.0.0.5"]
+    remote = {"launcher": "ssh", "hosts": "a:1,b:1"}
+    plan = make_plan(**remote, bind_address="0.0.0.0", host_addresses=one)
+    assert (plan.controller_address, plan.store_address) == ("10.0.0.5", "10.0.0.5")
+    assert cluster_options(plan, "/p")["controller_location"] == "10.0.0.5"
+    assert cluster_options(plan, "/p")["controller_ip"] == "0.0.0.0"  # still listens on all
+    # docs/multinode.md's tcp://0.0.0.0:PORT: ranks get the bind address
+    tcp = make_plan(
+        **remote, bind_address="10.0.0.7", init_method="tcp://0.0.0.0:29500", host_addresses=one
+    )
+    assert tcp.store_address == "10.0.0.7" and tcp.init_method.host == "0.0.0.0"
+    with pytest.raises(DistUsageError, match="several: 10.0.0.5, 192.168.1.2.*--bind-address"):
+        make_plan(**remote, bind_address="0.0.0.0", host_addresses=[*one, "192.168.1.2"])
+    local = make_plan(nprocs=2, init_method="tcp://0.0.0.0:29500", host_addresses=one)
+    assert local.store_address == "127.0.0.1"  # ranks on this host
