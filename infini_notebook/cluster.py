@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from . import engine, execution, processes, supervision
+from .engine import KERNEL_MARK
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
 from .options import StartOptions
@@ -27,6 +28,7 @@ from .output import one_line, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 from .state import CellResult, Progress, RankState
+from .watchdog import FOLDER_PREFIX
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
@@ -109,7 +111,10 @@ class Session:
         self._store = None
         self._cluster = None
         self._client = None
-        self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
+        self._workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        # Engines on another host find no such file in their copy of this folder (see
+        # engine.remove_remote_copy); on this host they do.
+        open(os.path.join(self._workdir, KERNEL_MARK), "w").close()
         self._created = time.time()  # no process of ours is older
         self._lock = threading.Lock()
         # ipyparallel's Client is not thread-safe, and the foreground cell, a --background
@@ -171,7 +176,9 @@ class Session:
         """End everything this session started: engines, controller, store. Idempotent."""
         global _current
         self.running = False
+        remote_folders = processes.remote_folder_removers(self)  # before the engines go
         processes.stop_processes(self)
+        processes.remove_remote_folders(self, remote_folders)
         supervision.end_watchdog(self)  # last: it covers a kernel killed while the rest stops
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -62,6 +62,8 @@ def bootstrap(cfg: dict) -> dict:
     """Set up this rank: environment, device, process group, parallel groups, namespace.
 
     ``cfg`` comes from the kernel (see ``cluster.Session._engine_config``)."""
+    if cfg.get("remove_copy"):
+        remove_remote_copy(cfg["workdir"])
     _set_environment(cfg)
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
@@ -76,6 +78,23 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
+
+
+KERNEL_MARK = ".kernel"  # a file in the session's folder on the kernel's host
+
+
+def remove_remote_copy(workdir: str) -> bool:
+    """mpiexec and Slurm engines on another host create the session's folder there (their
+    profile, logs only; they read nothing from it once registered). Remove it, unless it
+    is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
+    from .watchdog import FOLDER_PREFIX, remove_session_folder
+
+    if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
+        return False
+    if os.path.exists(os.path.join(workdir, KERNEL_MARK)):
+        return False
+    remove_session_folder(workdir)
+    return True
 
 
 def _keep_no_output_history() -> None:

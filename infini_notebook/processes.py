@@ -274,6 +274,9 @@ def engine_config(s, rank: int) -> dict:
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),
         "stack_file": supervision.stack_file(s, rank),
+        "workdir": s._workdir,
+        # ssh engines write their output there until stop: see remote_folder_removers
+        "remove_copy": s.plan.placement.launcher in ("mpi", "slurm"),
     }
 
 
@@ -356,6 +359,40 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
                 coords=layout.coords(r),
             )
         )
+
+
+def remote_folder_removers(s) -> list:
+    """The ssh connections (one per host) of ssh engines, to remove the session's folder
+    that ipyparallel made on their hosts (profile, connection file, output), once it has
+    fetched their output at stop. Taken before the engines stop: their launchers go."""
+    senders = {}
+    for engine_set in (s._cluster.engines if s._cluster else {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if hasattr(launcher, "ssh_sender") and hasattr(launcher, "location"):
+                senders.setdefault(launcher.location, launcher)
+    return list(senders.values())
+
+
+def remove_remote_folders(s, launchers: list, timeout: float = 10) -> None:
+    """Remove the session's folder on each ssh host (see remote_folder_removers); only a
+    folder named as the session's, and not waiting more than ``timeout`` for a host."""
+    from .watchdog import FOLDER_PREFIX
+
+    folder = os.path.dirname(s._profile_dir)
+    if not launchers or not os.path.basename(folder).startswith(FOLDER_PREFIX):
+        return
+
+    def remove(launcher) -> None:
+        try:
+            launcher.ssh_sender.cmd_rmdir(os.path.dirname(launcher.remote_profile_dir))
+        except Exception as e:
+            log.info("removing the session folder on %s: %s", launcher.location, e)
+
+    threads = [threading.Thread(target=remove, args=(x,), daemon=True) for x in launchers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
 
 
 def stop_processes(s) -> None:

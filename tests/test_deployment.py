@@ -167,3 +167,36 @@ def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel)
     use_session(kernel, f"--nprocs 2 --init-method tcp://0.0.0.0:{port}")
     out = text_of(kernel.run("%%dist\nimport os\nprint(os.environ['MASTER_ADDR'])"))
     assert "[rank 1] 127.0.0.1" in out  # not 0.0.0.0, which is no address to connect to
+
+
+def test_engines_elsewhere_remove_their_copy_of_the_session_folder(tmp_path):
+    """mpiexec and Slurm engines on another host create the session's folder there; the
+    kernel's own (this host, or a shared filesystem) carries a mark and stays."""
+    from infini_notebook.engine import KERNEL_MARK, remove_remote_copy
+
+    copy = tmp_path / "infini-notebook-abc123"
+    (copy / "profile" / "log").mkdir(parents=True)
+    assert remove_remote_copy(str(copy)) and not copy.exists()
+    kernels = tmp_path / "infini-notebook-def456"
+    (kernels / "profile").mkdir(parents=True)
+    (kernels / KERNEL_MARK).touch()
+    assert not remove_remote_copy(str(kernels)) and kernels.exists()
+    other = tmp_path / "someone-elses"
+    other.mkdir()
+    assert not remove_remote_copy(str(other)) and other.exists()  # not a session's folder
+
+
+def test_sigkill_of_the_kernel_removes_the_session_folder():
+    import signal
+
+    from conftest import fresh_kernel
+
+    with fresh_kernel() as cells:
+        cells.run("%dist_start --nprocs 2", timeout=180)
+        folder = text_of(cells.run("print(dist_session._workdir)")).strip()
+        assert os.path.isdir(folder)
+        os.kill(cells.kernel_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while os.path.exists(folder) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(folder)
