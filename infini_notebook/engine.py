@@ -296,7 +296,9 @@ def describe_rank(device=None) -> dict:
         import torch
 
         info["device_name"] = torch.cuda.get_device_name(device)
-        info["memory_used"] = torch.cuda.memory_allocated(device)
+        # the device's memory in use, every process's, as telemetry reports it (RankState)
+        free, total = torch.cuda.mem_get_info(device)
+        info["memory_used"] = total - free
     return info
 
 

@@ -183,11 +183,29 @@ def _snapshot(proc, gpu: int | None) -> dict:
 
         free, total = torch.cuda.mem_get_info(gpu)
         snap.update(memory_used=total - free, memory_total=total)
-        try:  # needs nvidia-ml-py; torch maps our CUDA_VISIBLE_DEVICES to NVML's index
-            snap["gpu_util"] = torch.cuda.utilization(gpu)
-        except Exception:
-            pass
+        util = gpu_utilization(gpu)
+        if util is not None:
+            snap["gpu_util"] = util
     return snap
+
+
+_nvml_missing: list[str] = []  # why utilization cannot be read here, once known
+
+
+def gpu_utilization(gpu: int) -> int | None:
+    """The GPU's utilization in %, None without nvidia-ml-py (or NVML). Tried once: a
+    missing pynvml would otherwise be imported again every second."""
+    if _nvml_missing:
+        return None
+    try:  # torch maps our CUDA_VISIBLE_DEVICES to NVML's index
+        import torch
+
+        return torch.cuda.utilization(gpu)
+    except ImportError as e:  # torch imports pynvml on each call
+        _nvml_missing.append(str(e))
+    except Exception:  # NVML itself failed this time
+        pass
+    return None
 
 
 def watch_store(host: str, port: int) -> None:

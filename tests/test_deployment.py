@@ -8,6 +8,7 @@ import os
 import time
 
 import psutil
+import pytest
 from conftest import REPO, text_of, use_session
 
 
@@ -200,3 +201,23 @@ def test_sigkill_of_the_kernel_removes_the_session_folder():
         while os.path.exists(folder) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not os.path.exists(folder)
+
+
+def test_a_missing_pynvml_is_looked_for_once():
+    import importlib.util
+
+    from infini_notebook import rank_services
+
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("nvidia-ml-py is installed here")
+    rank_services._nvml_missing.clear()
+    assert rank_services.gpu_utilization(0) is None
+    assert rank_services.gpu_utilization(0) is None
+    assert len(rank_services._nvml_missing) == 1  # the second call did not import again
+
+
+def test_gpus_help_matches_the_readme():
+    from infini_notebook.options import flag_specs
+
+    gpus_help = next(kw["help"] for flag, kw in flag_specs() if flag == "--gpus")
+    assert "only its GPU" not in gpus_help and "LOCAL_RANK" in gpus_help
