@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -102,6 +103,10 @@ class Session:
     def __init__(self, plan: SessionPlan):
         self.plan = plan
         self.attempt = 0
+        # Every key of the session lives under an unguessable root, and each attempt's
+        # process groups under a fresh nonce: nobody can prepare keys for a restart.
+        self._token = secrets.token_hex(16)
+        self._attempt_key = secrets.token_hex(8)
         self.ranks: list[RankState] = []
         self.last: CellResult | None = None
         self.running = False
@@ -109,6 +114,7 @@ class Session:
         self._errored: set[int] = set()
         self._pids: dict[int, psutil.Process] = {}
         self._store = None
+        self._keys = None  # the session's keys in _store (see processes.start_store)
         self._cluster = None
         self._client = None
         self._workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
@@ -183,6 +189,7 @@ class Session:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        self._keys = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self._made_init_file:  # a path the user made stays (it may be theirs)
@@ -204,6 +211,7 @@ class Session:
         # A hard restart may end a background cell that was told to stop and did not.
         execution.refuse_beside_background(self, "%dist_restart", unless_interrupted=hard)
         self.attempt += 1
+        self._attempt_key = secrets.token_hex(8)
         if hard:
             self._restart_hard(progress)
             return
@@ -221,7 +229,9 @@ class Session:
             )
         with self._client_lock:
             pending = {
-                r: processes.rank_view(self, r).apply_async(engine.reinit_distributed, self.attempt)
+                r: processes.rank_view(self, r).apply_async(
+                    engine.reinit_distributed, self.attempt, self._attempt_key
+                )
                 for r in range(self.world_size)
             }
         try:

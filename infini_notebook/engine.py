@@ -23,6 +23,7 @@ from .rank_services import (
     TELEMETRY_INTERVAL_S,
     as_seen_by_thread,
     parse_telemetry,
+    session_root,
     stack_key,
     telemetry_key,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "post_mortem",
     "rank_namespace",
     "run_in_frame",
+    "session_root",
     "stack_key",
     "telemetry_key",
     "torchrun_namespace",
@@ -201,7 +203,7 @@ def init_distributed(cfg: dict) -> None:
 
     device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])
-    store = dist.PrefixStore(f"attempt_{cfg['attempt']}", _base_store(cfg, timeout))
+    store = dist.PrefixStore(attempt_prefix(cfg), _base_store(cfg, timeout))
     dist.init_process_group(
         cfg["backend"],
         store=store,
@@ -214,6 +216,14 @@ def init_distributed(cfg: dict) -> None:
     layout = ParallelLayout(**cfg["layout"])
     ns.update(rank_namespace(layout, device, cfg["local_rank"], timeout=timeout))
     _STATE["groups"] = ns["groups"]
+
+
+def attempt_prefix(cfg: dict, what: str = "") -> str:
+    """Where an attempt's process groups (or, with ``what``, a user's own inits) keep their
+    keys: under the session's root and this attempt's nonce, so no one who has not seen the
+    attempt begin can know them."""
+    root = session_root(cfg["token"])
+    return f"{root}/{what}attempt_{cfg['attempt']}-{cfg['attempt_key']}"
 
 
 def _install_env_rendezvous() -> None:
@@ -235,10 +245,10 @@ def _install_env_rendezvous() -> None:
 
     def env_handler(url: str, **kwargs):
         store, rank, world_size = next(torch_env(url, **kwargs))
-        attempt = _STATE["cfg"]["attempt"]
+        cfg = _STATE["cfg"]
         counts = _STATE.setdefault("user_inits", {})
-        counts[attempt] = n = counts.get(attempt, 0) + 1
-        yield PrefixStore(f"user/attempt_{attempt}/init_{n}", store), rank, world_size
+        counts[cfg["attempt"]] = n = counts.get(cfg["attempt"], 0) + 1
+        yield PrefixStore(f"{attempt_prefix(cfg, 'user/')}/init_{n}", store), rank, world_size
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
     env_handler._infini = True
@@ -275,8 +285,8 @@ def teardown_distributed() -> bool:
     return True
 
 
-def reinit_distributed(attempt: int) -> dict:
-    cfg = dict(_STATE["cfg"], attempt=attempt)
+def reinit_distributed(attempt: int, attempt_key: str) -> dict:
+    cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
     teardown_distributed()
     init_distributed(cfg)

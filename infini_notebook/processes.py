@@ -56,6 +56,7 @@ def start_store(s) -> None:
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
         )
         sock.detach()  # the store owns the descriptor now and closes it
+        s._keys = dist.PrefixStore(engine.session_root(s._token), s._store)
     except Exception as e:  # port taken, address not ours
         raise DistUsageError(
             f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -270,6 +271,8 @@ def engine_config(s, rank: int) -> dict:
         "threads": s.plan.threads_per_rank,
         "store": store,
         "attempt": s.attempt,
+        "token": s._token,
+        "attempt_key": s._attempt_key,
         "layout": s.plan.layout,
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),

@@ -42,12 +42,9 @@ def install_stack_dumper(cfg: dict) -> None:
     cell is stuck in a collective (torch releases the GIL while it waits). The store client
     and the scratch file are this engine's, so it works on any host. The counter is read
     here, before bootstrap returns, so that no request can come before the thread listens."""
-    import torch.distributed as dist
 
     rank = cfg["rank"]
-    store = dist.TCPStore(
-        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timedelta(seconds=60)
-    )
+    store = session_store(cfg, timedelta(seconds=60))
     answered = store.add(stack_key(rank, "count"), 0)
     scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
 
@@ -152,7 +149,6 @@ def install_telemetry(cfg: dict) -> None:
 
     def publish() -> None:
         import psutil
-        import torch.distributed as dist
 
         proc = psutil.Process()
         proc.cpu_percent(None)  # the first call only starts the measurement
@@ -160,12 +156,7 @@ def install_telemetry(cfg: dict) -> None:
         while True:  # the first snapshot at once: status() right after start has numbers
             try:
                 if store is None:
-                    store = dist.TCPStore(
-                        cfg["master_addr"],
-                        int(cfg["master_port"]),
-                        is_master=False,
-                        timeout=timedelta(seconds=10),
-                    )
+                    store = session_store(cfg, timedelta(seconds=10))
                 store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
             except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
                 store = None
@@ -206,6 +197,21 @@ def gpu_utilization(gpu: int) -> int | None:
     except Exception:  # NVML itself failed this time
         pass
     return None
+
+
+def session_root(token: str) -> str:
+    """The prefix of every key a session keeps in the kernel's store (see cluster.Session)."""
+    return f"infini-{token}"
+
+
+def session_store(cfg: dict, timeout: timedelta):
+    """A client of the kernel's store that sees only this session's keys."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(session_root(cfg["token"]), store)
 
 
 def watch_store(host: str, port: int) -> None:

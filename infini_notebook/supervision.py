@@ -75,7 +75,7 @@ def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[i
     from datetime import timedelta
 
     targets = parse_ranks(ranks, s.world_size)
-    store = s._store
+    store = s._keys
     for key in s._late_stacks:  # answers that came after we stopped waiting
         store.delete_key(key)
     s._late_stacks = []
@@ -271,7 +271,7 @@ def status(s) -> list[RankState]:
 
 def read_telemetry(s) -> dict[int, dict]:
     """The latest snapshot each rank's telemetry thread put in the store (engine.py)."""
-    store = s._store
+    store = s._keys
     if store is None or not s.running:
         return {}
     out = {}

@@ -221,3 +221,35 @@ def test_gpus_help_matches_the_readme():
 
     gpus_help = next(kw["help"] for flag, kw in flag_specs() if flag == "--gpus")
     assert "only its GPU" not in gpus_help and "LOCAL_RANK" in gpus_help
+
+
+# Another local user connects to the session's store (TCPStore has no authentication):
+# before, every key had a predictable name, and keys written ahead under the next attempt's
+# prefix (here garbage for gloo's rank addresses) broke the restart.
+INTRUDER = """\
+import torch.distributed as dist
+intruder = dist.TCPStore("127.0.0.1", dist_session._store.port, is_master=False)
+for r in range(2):
+    intruder.set(f"attempt_{dist_session.attempt + 1}/0//cpu//0/{r}", "garbage")
+    intruder.set(f"infini/telemetry/{r}", '{"rss": 1}')  # forged telemetry
+"""
+
+
+def test_session_keys_are_unguessable_and_keys_written_ahead_do_not_disturb_a_restart(kernel):
+    use_session(kernel, "--nprocs 2 --timeout 10")
+    kernel.run(INTRUDER)
+    cell = kernel.run("%dist_restart", allow_error=True, timeout=120)
+    assert "Restarted" in text_of(cell), error_text(cell)
+    out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
+    assert "[rank 1] 2.0" in out
+    assert "rss=1," not in text_of(kernel.run("print(dist_session.status()[1])"))
+    keys = text_of(
+        kernel.run(
+            "from infini_notebook.engine import session_root\n"
+            "root = session_root(dist_session._token)\n"
+            "ours = [k for k in intruder.list_keys() if k.startswith(root + '/')]\n"
+            "print(len(dist_session._token), len(ours) > 4,"
+            " sorted({k.split('/')[1].split('-')[0] for k in ours}))"
+        )
+    )
+    assert "32 True" in keys and "'attempt_1'" in keys and "'infini'" in keys
