@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 import psutil
 
 from . import engine, execution, processes, supervision
+from .engine import KERNEL_MARK
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
 from .options import StartOptions
@@ -27,6 +29,7 @@ from .output import one_line, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 from .state import CellResult, Progress, RankState
+from .watchdog import FOLDER_PREFIX
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
@@ -67,7 +70,19 @@ def plan_from_options(options: StartOptions | None = None, **keywords) -> Sessio
         options = options or StartOptions(**keywords)
     except TypeError as e:  # a keyword that is no option
         raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
-    return make_plan(options, visible_gpus=visible_cuda_devices())
+    return make_plan(options, visible_gpus=visible_cuda_devices(), host_addresses=host_addresses())
+
+
+def host_addresses() -> list[str]:
+    """This machine's IPv4 addresses (for a bind address of 0.0.0.0: see plan.reachable)."""
+    import socket
+
+    return [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET
+    ]
 
 
 def visible_cuda_devices() -> list[str]:
@@ -88,6 +103,10 @@ class Session:
     def __init__(self, plan: SessionPlan):
         self.plan = plan
         self.attempt = 0
+        # Every key of the session lives under an unguessable root, and each attempt's
+        # process groups under a fresh nonce: nobody can prepare keys for a restart.
+        self._token = secrets.token_hex(16)
+        self._attempt_key = secrets.token_hex(8)
         self.ranks: list[RankState] = []
         self.last: CellResult | None = None
         self.running = False
@@ -95,9 +114,13 @@ class Session:
         self._errored: set[int] = set()
         self._pids: dict[int, psutil.Process] = {}
         self._store = None
+        self._keys = None  # the session's keys in _store (see processes.start_store)
         self._cluster = None
         self._client = None
-        self._workdir = tempfile.mkdtemp(prefix="infini-notebook-")
+        self._workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        # Engines on another host find no such file in their copy of this folder (see
+        # engine.remove_remote_copy); on this host they do.
+        open(os.path.join(self._workdir, KERNEL_MARK), "w").close()
         self._created = time.time()  # no process of ours is older
         self._lock = threading.Lock()
         # ipyparallel's Client is not thread-safe, and the foreground cell, a --background
@@ -160,11 +183,14 @@ class Session:
         """End everything this session started: engines, controller, store. Idempotent."""
         global _current
         self.running = False
+        remote_folders = processes.remote_folder_removers(self)  # before the engines go
         processes.stop_processes(self)
+        processes.remove_remote_folders(self, remote_folders)
         supervision.end_watchdog(self)  # last: it covers a kernel killed while the rest stops
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        self._keys = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self._made_init_file:  # a path the user made stays (it may be theirs)
@@ -186,6 +212,7 @@ class Session:
         # A hard restart may end a background cell that was told to stop and did not.
         execution.refuse_beside_background(self, "%dist_restart", unless_interrupted=hard)
         self.attempt += 1
+        self._attempt_key = secrets.token_hex(8)
         if hard:
             self._restart_hard(progress)
             return
@@ -203,7 +230,9 @@ class Session:
             )
         with self._client_lock:
             pending = {
-                r: processes.rank_view(self, r).apply_async(engine.reinit_distributed, self.attempt)
+                r: processes.rank_view(self, r).apply_async(
+                    engine.reinit_distributed, self.attempt, self._attempt_key
+                )
                 for r in range(self.world_size)
             }
         try:
@@ -381,6 +410,7 @@ class Session:
     def _require_running(self) -> None:
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+        processes.require_controller(self)
 
 
 def _unsendable_text(values: dict, error: Exception) -> str:

@@ -23,6 +23,7 @@ from .rank_services import (
     TELEMETRY_INTERVAL_S,
     as_seen_by_thread,
     parse_telemetry,
+    session_root,
     stack_key,
     telemetry_key,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "post_mortem",
     "rank_namespace",
     "run_in_frame",
+    "session_root",
     "stack_key",
     "telemetry_key",
     "torchrun_namespace",
@@ -62,6 +64,8 @@ def bootstrap(cfg: dict) -> dict:
     """Set up this rank: environment, device, process group, parallel groups, namespace.
 
     ``cfg`` comes from the kernel (see ``cluster.Session._engine_config``)."""
+    if cfg.get("remove_copy"):
+        remove_remote_copy(cfg["workdir"])
     _set_environment(cfg)
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
@@ -76,6 +80,23 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
+
+
+KERNEL_MARK = ".kernel"  # a file in the session's folder on the kernel's host
+
+
+def remove_remote_copy(workdir: str) -> bool:
+    """mpiexec and Slurm engines on another host create the session's folder there (their
+    profile, logs only; they read nothing from it once registered). Remove it, unless it
+    is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
+    from .watchdog import FOLDER_PREFIX, remove_session_folder
+
+    if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
+        return False
+    if os.path.exists(os.path.join(workdir, KERNEL_MARK)):
+        return False
+    remove_session_folder(workdir)
+    return True
 
 
 def _keep_no_output_history() -> None:
@@ -103,15 +124,36 @@ def _drop_logged_outputs(result=None) -> None:
 
 
 def _set_environment(cfg: dict) -> None:
+    cuda = cfg.get("cuda")
+    if cuda is not None and cuda[0] is None:  # the host's launcher chose our GPUs
+        from .plan import launcher_device
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cfg["cuda"] = (None, launcher_device(visible, cfg["local_rank"], cfg["local_world_size"]))
     env = engine_environment(cfg)
-    if cfg.get("loopback_only") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        iface = _loopback_interface()
-        if iface:  # gloo listens where the hostname resolves, maybe a public address
-            env["GLOO_SOCKET_IFNAME"] = iface
+    iface = _loopback_interface() if cfg.get("loopback_only") else None
+    env.update(backend_defaults(os.environ, iface))
     for key, value in wait_probe.flight_recorder_env().items():
         env.setdefault(key, os.environ.get(key, value))  # a user's own setting stays
     os.environ.update(env)
     _STATE["cfg"] = cfg
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a failed or timed-out NCCL collective
+# aborts its communicators and raises in the rank, which lives on. torch's default (3)
+# tears the process down, so a soft restart would find it dead.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def backend_defaults(environ, loopback_iface: str | None) -> dict[str, str]:
+    """gloo's and NCCL's settings that a rank gets unless the user set them (in --env or
+    the kernel's environment). On a loopback-only session both backends listen on the
+    loopback interface: by default they listen where the hostname resolves, maybe a
+    public address. Pure."""
+    wanted = dict([NCCL_ERROR_HANDLING])
+    if loopback_iface:
+        wanted.update(GLOO_SOCKET_IFNAME=loopback_iface, NCCL_SOCKET_IFNAME=loopback_iface)
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def engine_environment(cfg: dict) -> dict[str, str]:
@@ -134,7 +176,7 @@ def engine_environment(cfg: dict) -> dict[str, str]:
         "OMP_NUM_THREADS": cfg["threads"],
         **ParallelLayout(**cfg["layout"]).to_env(),
     }
-    if cfg.get("cuda") is not None:
+    if cfg.get("cuda") is not None and cfg["cuda"][0] is not None:
         env["CUDA_VISIBLE_DEVICES"] = cfg["cuda"][0]
     return {key: str(value) for key, value in env.items()}
 
@@ -163,7 +205,7 @@ def init_distributed(cfg: dict) -> None:
 
     device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])
-    store = dist.PrefixStore(f"attempt_{cfg['attempt']}", _base_store(cfg, timeout))
+    store = dist.PrefixStore(attempt_prefix(cfg), _base_store(cfg, timeout))
     dist.init_process_group(
         cfg["backend"],
         store=store,
@@ -176,6 +218,14 @@ def init_distributed(cfg: dict) -> None:
     layout = ParallelLayout(**cfg["layout"])
     ns.update(rank_namespace(layout, device, cfg["local_rank"], timeout=timeout))
     _STATE["groups"] = ns["groups"]
+
+
+def attempt_prefix(cfg: dict, what: str = "") -> str:
+    """Where an attempt's process groups (or, with ``what``, a user's own inits) keep their
+    keys: under the session's root and this attempt's nonce, so no one who has not seen the
+    attempt begin can know them."""
+    root = session_root(cfg["token"])
+    return f"{root}/{what}attempt_{cfg['attempt']}-{cfg['attempt_key']}"
 
 
 def _install_env_rendezvous() -> None:
@@ -197,10 +247,10 @@ def _install_env_rendezvous() -> None:
 
     def env_handler(url: str, **kwargs):
         store, rank, world_size = next(torch_env(url, **kwargs))
-        attempt = _STATE["cfg"]["attempt"]
+        cfg = _STATE["cfg"]
         counts = _STATE.setdefault("user_inits", {})
-        counts[attempt] = n = counts.get(attempt, 0) + 1
-        yield PrefixStore(f"user/attempt_{attempt}/init_{n}", store), rank, world_size
+        counts[cfg["attempt"]] = n = counts.get(cfg["attempt"], 0) + 1
+        yield PrefixStore(f"{attempt_prefix(cfg, 'user/')}/init_{n}", store), rank, world_size
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
     env_handler._infini = True
@@ -237,8 +287,8 @@ def teardown_distributed() -> bool:
     return True
 
 
-def reinit_distributed(attempt: int) -> dict:
-    cfg = dict(_STATE["cfg"], attempt=attempt)
+def reinit_distributed(attempt: int, attempt_key: str) -> dict:
+    cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
     teardown_distributed()
     init_distributed(cfg)
@@ -258,7 +308,9 @@ def describe_rank(device=None) -> dict:
         import torch
 
         info["device_name"] = torch.cuda.get_device_name(device)
-        info["memory_used"] = torch.cuda.memory_allocated(device)
+        # the device's memory in use, every process's, as telemetry reports it (RankState)
+        free, total = torch.cuda.mem_get_info(device)
+        info["memory_used"] = total - free
     return info
 
 
@@ -294,8 +346,17 @@ def identity() -> dict:
     launcher_rank = next(
         (env[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID") if k in env), None
     )
+    local_rank = next(
+        (
+            env[k]
+            for k in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+            if k in env
+        ),
+        None,
+    )
     return {
         "launcher_rank": launcher_rank,
+        "launcher_local_rank": local_rank,
         "host_index": env.get("INFINI_HOST_INDEX"),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),

@@ -5,6 +5,7 @@ arrives, the Stop button, and the error a failed cell raises. Plain functions ta
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from .output import (
     prefix_lines,
     remote_traceback,
 )
+from .plan import soft_restart_fails
 from .ranks import parse_ranks, parse_where, rank_label
 from .state import CellResult
 from .wait_watch import WaitWatch
@@ -243,6 +245,8 @@ def follow(s, cell: Cell, watch: WaitWatch) -> None:
             time.monotonic() - last_check > DEAD_CHECK_S or watch.lost_peer(finished)
         ):
             last_check = time.monotonic()
+            if not processes.controller_running(s):  # no reply can come any more
+                raise DistCellError(processes.CONTROLLER_GONE, ranks=sorted(running))
             dead = set(supervision.dead_ranks(s, sorted(running - finished)))
             if dead:  # their peers' waits are released below; the others finish
                 running -= dead
@@ -327,8 +331,8 @@ def interrupt_stuck(s, cell: Cell) -> list[int]:
     print(
         f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck in "
         f"native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
-        "collective timeout fires; then %dist_restart rebuilds the process groups and "
-        "keeps your variables. %dist_restart --hard restarts the engines now.",
+        f"collective timeout fires; then {_restart_advice(s, after_timeout=True)} "
+        "%dist_restart --hard restarts the engines now.",
         file=sys.stderr,
     )
     return stuck
@@ -366,7 +370,7 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
     elif watch.released:
         advice = ". " + _rebuild_groups(s)
     else:
-        advice = _advice(result)
+        advice = _advice(s, result)
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
 
 
@@ -483,12 +487,21 @@ def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
     )
 
 
-def _advice(result: CellResult) -> str:
+def _advice(s, result: CellResult) -> str:
     """What to do next, for failures that leave the process groups unusable."""
     if result.timed_out:
         return (
             ". A collective timed out: the failing ranks waited for peers that never joined; "
-            "their tracebacks show where. The process groups are likely broken: run "
-            "%dist_restart (keeps variables)."
+            f"their tracebacks show where. {_restart_advice(s)}"
         )
     return ""
+
+
+def _restart_advice(s, after_timeout: bool = False) -> str:
+    """How to recover from a timed-out collective, for the session's backend."""
+    why = soft_restart_fails(s.plan, os.environ)
+    if why is not None:
+        return f"{why[0].upper()}{why[1:]}: run %dist_restart --hard (variables are lost)."
+    if after_timeout:
+        return "%dist_restart rebuilds the process groups and keeps your variables."
+    return "The process groups are likely broken: run %dist_restart (keeps variables)."

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 
+from .errors import DistUsageError
 from .plan import LOOPBACK, SessionPlan
 
 # An engine counts as registered once the controller hears its first heartbeat. At the
@@ -45,7 +46,7 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
     }
     if plan.bind_address not in LOOPBACK:
         # Traffic leaves this machine: encrypt and authenticate ipyparallel's sockets.
-        opts["controller_location"] = plan.bind_address
+        opts["controller_location"] = plan.controller_address or plan.bind_address
         opts["controller_args"].append("--IPController.enable_curve=True")
     return opts
 
@@ -132,3 +133,35 @@ def assign_ranks(identities: dict[int, dict], plan: SessionPlan) -> list[int]:
     if all(identities[e].get("host_index") is not None for e in eids):
         return sorted(eids, key=lambda e: (int(identities[e]["host_index"]), e))
     return eids
+
+
+def check_placement(identities: list[dict], plan: SessionPlan) -> None:
+    """Refuse ranks that do not run where the plan puts them (identities in rank order,
+    from ``engine.identity``). The plan's LOCAL_RANK picks each rank's GPU: a launcher that
+    places ranks cyclically (``srun --distribution=cyclic``, ``mpiexec --map-by node``)
+    would put two ranks of one host on one GPU. The launcher's own local rank must be the
+    plan's, and the ranks the plan puts on one host must report one hostname."""
+    places = plan.placement.rank_places(plan.world_size)
+    by_host: dict[int, set[str]] = {}
+    for rank, ident in enumerate(identities):
+        host, local_rank, _ = places[rank]
+        by_host.setdefault(host, set()).add(ident["hostname"])
+        given = ident.get("launcher_local_rank")
+        if given is not None and int(given) != local_rank:
+            raise DistUsageError(
+                f"Rank {rank} runs on {ident['hostname']} as local rank {given}, but the "
+                f"session places it on host {host} as local rank {local_rank} (ranks are "
+                f"laid out host by host). {BLOCK_ADVICE}"
+            )
+    for host, names in sorted(by_host.items()):
+        if len(names) > 1:
+            raise DistUsageError(
+                f"The ranks of host {host} run on {', '.join(sorted(names))}. {BLOCK_ADVICE}"
+            )
+
+
+BLOCK_ADVICE = (
+    "The launcher distributed ranks across hosts in another order, so LOCAL_RANK and the "
+    "GPU of each rank would be wrong. Place ranks in blocks: no SLURM_DISTRIBUTION=cyclic "
+    "(or srun --distribution=block), mpiexec's default --map-by slot."
+)

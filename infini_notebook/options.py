@@ -16,7 +16,11 @@ def _opt(default=None, help: str = "", **argparse):
 
 @dataclass
 class StartOptions:
-    gpus: int | None = _opt(type=int, help="one rank per GPU (nccl); each sees only its GPU")
+    gpus: int | None = _opt(
+        type=int,
+        help="one rank per GPU (nccl); as under torchrun each sees its node's GPUs and "
+        "is pinned to cuda:LOCAL_RANK",
+    )
     nprocs: int | None = _opt(type=int, help="number of CPU ranks (gloo)")
     backend: str = _opt("auto", help="auto (default), nccl or gloo")
     timeout: float = _opt(300.0, type=float, help="collective timeout in seconds")

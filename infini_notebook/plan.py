@@ -53,8 +53,15 @@ class Placement:
         return places
 
     @property
+    def remote(self) -> bool:
+        """Whether some rank runs on another host (Slurm picks hosts: assume so)."""
+        return self.launcher == "slurm" or any(not is_loopback(h) for h, _ in self.hosts)
+
+    @property
     def multi_host(self) -> bool:
-        return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm")
+        """Ranks may run away from the kernel's host (any host that is not loopback): they
+        watch the kernel's store, not its pid, and dump stacks to no local file."""
+        return len(self.hosts) > 1 or self.launcher in ("ssh", "slurm") or self.remote
 
 
 @dataclass(frozen=True)
@@ -86,21 +93,48 @@ class SessionPlan:
     threads_per_rank: int = 1
     bind_address: str = "127.0.0.1"
     placement: Placement = field(default_factory=Placement)
+    # Where ranks connect to the controller and the store: the listening address, or for
+    # one that listens on every interface (0.0.0.0) an address of this host they can reach.
+    controller_address: str = ""
+    store_address: str = ""
 
     @property
     def device_kind(self) -> str:
         return "cuda" if self.gpus else "cpu"
 
-    def cuda_devices(self, rank: int) -> tuple[str, int] | None:
+    def cuda_devices(self, rank: int) -> tuple[str | None, int] | None:
         """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU. As under torchrun,
         a rank sees every GPU its node's ranks use, in LOCAL_RANK order, so its own GPU is
-        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged."""
+        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged.
+        Ranks started by ssh, mpiexec or Slurm get None for CUDA_VISIBLE_DEVICES: they keep
+        what their host or scheduler gave them (see ``launcher_device``)."""
         if not self.gpus:
             return None
         places = self.placement.rank_places(self.world_size)
         node, local_rank, _ = places[rank]
+        if self.placement.launcher != "local":
+            return None, local_rank
         on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
         return ",".join(gpu for _, gpu in on_node), local_rank
+
+
+def launcher_device(visible: str | None, local_rank: int, local_world: int) -> int:
+    """The device index of a rank whose host or scheduler chose its GPUs, from the
+    CUDA_VISIBLE_DEVICES it inherited (Slurm sets it to the job's GPUs on a shared node):
+    its LOCAL_RANK-th GPU of those, or the only one when the launcher bound one GPU to
+    each rank (``srun --gpus-per-task=1``). Never a GPU outside that list."""
+    if visible is None:  # the host gives us all its GPUs
+        return local_rank
+    entries = [x for x in visible.split(",") if x.strip()]
+    if len(entries) >= local_world:
+        return local_rank
+    if len(entries) == 1:
+        return 0
+    raise DistUsageError(
+        f"This host gives {len(entries)} GPUs (CUDA_VISIBLE_DEVICES={visible!r}) to its "
+        f"{local_world} ranks. Ask the scheduler for {local_world} GPUs per node "
+        "(--gpus-per-node), or start fewer ranks per host."
+    )
 
 
 def parse_init_method(text: str | None, bind_address: str = "127.0.0.1") -> InitMethod:
@@ -145,14 +179,60 @@ def make_plan(
     *,
     visible_gpus: list[str] | None = None,
     cpu_count: int | None = None,
+    host_addresses: list[str] | None = None,
     layout: dict | None = None,
     **keywords,
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
     problem with a message that names the fix. Without ``options``, the keywords (and
-    ``layout``) fill a StartOptions."""
+    ``layout``) fill a StartOptions. ``host_addresses``: this machine's IP addresses."""
     if options is None:
         options = StartOptions(**keywords, **(layout or {}))
+    plan = _make_plan(options, visible_gpus, cpu_count)
+    return with_addresses(plan, host_addresses or [])
+
+
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def with_addresses(plan: SessionPlan, host_addresses: list[str]) -> SessionPlan:
+    """The plan with the addresses ranks connect to (see ``reachable``)."""
+    import dataclasses
+
+    method = plan.init_method
+    store_host = method.host if method.kind == "tcp" else plan.bind_address
+    return dataclasses.replace(
+        plan,
+        controller_address=reachable(plan, plan.bind_address, host_addresses, "--bind-address"),
+        store_address=reachable(plan, store_host, host_addresses, "the host of --init-method"),
+    )
+
+
+def reachable(plan: SessionPlan, host: str, host_addresses: list[str], flag: str) -> str:
+    """The address ranks connect to for a socket listening on ``host``. 0.0.0.0 listens on
+    every interface but is no address to connect to: ranks on this host use loopback,
+    ranks elsewhere the bind address, or this host's one routable address."""
+    if host not in WILDCARDS:
+        return host
+    if not plan.placement.remote:
+        return "127.0.0.1"
+    if plan.bind_address not in WILDCARDS and not is_loopback(plan.bind_address):
+        return plan.bind_address
+    routable = [a for a in host_addresses if not is_loopback(a) and a not in WILDCARDS]
+    if len(routable) == 1:
+        return routable[0]
+    raise DistUsageError(
+        f"{flag} {host} listens on every interface, but ranks on other hosts need one "
+        f"address of this machine to connect to, and it has "
+        + (f"several: {', '.join(routable)}." if routable else "none but loopback.")
+        + " Pass --bind-address with the one those hosts reach"
+        + (" (and --init-method tcp://THAT_ADDRESS:PORT)." if flag != "--bind-address" else ".")
+    )
+
+
+def _make_plan(
+    options: StartOptions, visible_gpus: list[str] | None, cpu_count: int | None
+) -> SessionPlan:
     o = options
     if o.backend not in BACKENDS:
         raise DistUsageError(
@@ -330,3 +410,30 @@ def _check_layout(world: int, layout: dict) -> dict:
         return ParallelLayout(world_size=world, **given).to_dict()
     except (TypeError, ValueError) as e:
         raise DistUsageError(f"Bad parallel layout: {e}") from None
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(plan: SessionPlan, environ: dict) -> str:
+    """The TORCH_NCCL_ASYNC_ERROR_HANDLING the ranks run with: the user's (--env, or the
+    kernel's environment that local engines inherit), else the session's "2"."""
+    given = dict(plan.placement.env)
+    if NCCL_ERROR_HANDLING in given:
+        return given[NCCL_ERROR_HANDLING]
+    if not plan.placement.remote and NCCL_ERROR_HANDLING in environ:
+        return environ[NCCL_ERROR_HANDLING]
+    return "2"
+
+
+def soft_restart_fails(plan: SessionPlan, environ: dict) -> str | None:
+    """Why a soft restart cannot recover from a timed-out collective, None when it can. On
+    NCCL only TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeps a timed-out rank alive: 1 and 3
+    (torch's default) tear it down, 0 leaves its GPU work hanging."""
+    if plan.backend != "nccl":
+        return None
+    value = nccl_error_handling(plan, environ)
+    if value == "2":
+        return None
+    what = "leaves the GPU work hanging" if value == "0" else "tears a timed-out rank down"
+    return f"with {NCCL_ERROR_HANDLING}={value} NCCL {what}"

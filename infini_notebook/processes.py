@@ -56,6 +56,7 @@ def start_store(s) -> None:
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
         )
         sock.detach()  # the store owns the descriptor now and closes it
+        s._keys = dist.PrefixStore(engine.session_root(s._token), s._store)
     except Exception as e:  # port taken, address not ours
         raise DistUsageError(
             f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -77,6 +78,27 @@ def start_engines(s, progress: Progress | None) -> None:
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
     s._eids = launchers.assign_ranks(identities, s.plan)
+    launchers.check_placement([identities[e] for e in s._eids], s.plan)
+    # Known from now on, so that a failed bootstrap can stop every engine at once.
+    for r, eid in enumerate(s._eids):
+        proc = own_process(s, identities[eid]["pid"])
+        if proc is not None:
+            s._pids[r] = proc
+
+
+def own_process(s, pid: int) -> psutil.Process | None:
+    """The process ``pid`` on this host if it is one of this session's: it carries the
+    session's mark (see watchdog.py). The pid an engine on another host reports may name an
+    unrelated process here, which must never be signalled."""
+    from .watchdog import MARK
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.environ().get(MARK) == s._profile_dir:
+            return proc
+    except psutil.Error:  # gone, or another user's: not ours
+        pass
+    return None
 
 
 def start_controller(s) -> None:
@@ -116,6 +138,54 @@ def controller_running(s) -> bool:
         return controller.process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+CONTROLLER_TIMEOUT_S = 10.0  # the longest any single request to the controller may take
+CONTROLLER_GONE = (
+    "The session's ipyparallel controller is gone (it died or was killed), so nothing "
+    "reaches the ranks. Run %dist_restart --hard (variables are lost) or %dist_stop."
+)
+
+
+class ControllerGone(DistUsageError):
+    """The controller died: no request to the ranks can be answered."""
+
+    def __init__(self, what: str = ""):
+        super().__init__(f"{what}: {CONTROLLER_GONE}" if what else CONTROLLER_GONE)
+
+
+def require_controller(s, what: str = "") -> None:
+    if s._cluster is not None and not controller_running(s):
+        raise ControllerGone(what)
+
+
+def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_TIMEOUT_S):
+    """One request on the controller's query socket, its reply's content. Sent under the
+    client lock, waited for outside it, and never for longer than ``timeout``:
+    ipyparallel's own calls (queue_status, purge_results) wait for ever on a dead one."""
+    with s._client_lock:
+        client = s._client
+        if client is None:
+            raise ControllerGone(msg_type)
+        future = client._send(client._query_stream, msg_type, content=content)
+    try:
+        reply = future.result(timeout=timeout)
+    except Exception:
+        require_controller(s, msg_type)
+        raise TimeoutError(f"the controller did not answer {msg_type} in {timeout:.0f}s") from None
+    content = reply["content"]
+    if content.get("status") != "ok":
+        raise RuntimeError(f"the controller refused {msg_type}: {content}")
+    return content
+
+
+def queue_status(s) -> dict[int, dict]:
+    """Each engine's queue lengths (``Client.queue_status()``, bounded)."""
+    from ipyparallel import util
+
+    content = ask_controller(s, "queue_request", {"targets": None, "verbose": False})
+    content.pop("status", None)
+    return util.int_keys(content)
 
 
 def wait_for_engines(
@@ -180,7 +250,8 @@ def in_loop(s, coro, timeout: float = 120):
 def engine_config(s, rank: int) -> dict:
     kernel = psutil.Process()
     method = s.plan.init_method
-    store = {"kind": method.kind, "host": s._store.host, "port": s._store.port}
+    address = s.plan.store_address or s._store.host  # never 0.0.0.0: see plan.reachable
+    store = {"kind": method.kind, "host": address, "port": s._store.port}
     if method.kind == "file":
         store = {"kind": "file", "path": method.path}
     group_rank, local_rank, local_world = s.plan.placement.rank_places(s.world_size)[rank]
@@ -192,7 +263,7 @@ def engine_config(s, rank: int) -> dict:
         "group_rank": group_rank,
         "watch": "store" if s.plan.placement.multi_host else "pid",
         "loopback_only": s.plan.bind_address in LOOPBACK,
-        "master_addr": s._store.host,
+        "master_addr": address,
         "master_port": s._store.port,
         "backend": s.plan.backend,
         "timeout": s.plan.timeout,
@@ -200,10 +271,15 @@ def engine_config(s, rank: int) -> dict:
         "threads": s.plan.threads_per_rank,
         "store": store,
         "attempt": s.attempt,
+        "token": s._token,
+        "attempt_key": s._attempt_key,
         "layout": s.plan.layout,
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),
         "stack_file": supervision.stack_file(s, rank),
+        "workdir": s._workdir,
+        # ssh engines write their output there until stop: see remote_folder_removers
+        "remove_copy": s.plan.placement.launcher in ("mpi", "slurm"),
     }
 
 
@@ -211,15 +287,51 @@ def bootstrap(s, progress: Progress | None = None) -> None:
     configs = {r: engine_config(s, r) for r in range(s.world_size)}
     with s._client_lock:
         pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
-    if progress:  # the gather below reports errors; this only counts finished ranks
-        while (done := sum(ar.ready() for ar in pending.values())) < s.world_size:
-            progress(done, s.world_size, "ranks initialised")
-            if any(ar.ready() and not ar.successful() for ar in pending.values()):
-                break
-            time.sleep(0.05)
-        progress(done, s.world_size, "ranks initialised")
+    failed = wait_for_bootstrap(s, pending, progress)
+    if failed is not None:
+        # The others wait for it in init_process_group until the timeout: stop them now.
+        stop_engines(s)
+        raise bootstrap_error(s, failed, pending[failed])
     infos = gather(s, pending, what="start")
     record_ranks(s, infos)
+
+
+def wait_for_bootstrap(s, pending: dict, progress: Progress | None) -> int | None:
+    """Wait until every rank is set up; the first rank that failed, if one did."""
+    deadline = time.monotonic() + s.plan.timeout + 60
+    while (done := sum(ar.ready() for ar in pending.values())) < len(pending):
+        if progress:
+            progress(done, len(pending), "ranks initialised")
+        failed = [r for r, ar in pending.items() if ar.ready() and not ar.successful()]
+        if failed:
+            return failed[0]
+        if time.monotonic() > deadline:
+            break  # the gather names the ranks that never answered
+        time.sleep(0.05)
+    if progress:
+        progress(done, len(pending), "ranks initialised")
+    return next((r for r, ar in pending.items() if not ar.successful()), None)
+
+
+def bootstrap_error(s, rank: int, ar, lines: int = 20) -> DistCellError:
+    """A rank failed to set up: its error, with the end of what it printed before."""
+    try:
+        ar.get(timeout=0)
+        error: BaseException = RuntimeError("failed")
+    except Exception as e:
+        error = e
+    ar.wait_for_output(timeout=0.5)  # output trails the reply a little
+    md = ar.metadata[0] if isinstance(ar.metadata, list) else ar.metadata
+    printed = "".join((md.get("stdout") or "", md.get("stderr") or ""))
+    tail = "".join(printed.splitlines(True)[-lines:])
+    report = error_report({rank: f"{tail}{remote_traceback(error)}"})
+    forget(s, ar.msg_ids)
+    return DistCellError(
+        f"Starting {s.world_size} ranks failed on rank {rank}: {one_line(error)}. "
+        f"The other ranks were stopped. {start_advice(s.plan)}",
+        report,
+        [rank],
+    )
 
 
 def host_name(s, rank: int, reported: str) -> str:
@@ -235,8 +347,9 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
     s.ranks = []
     for r in range(s.world_size):
         info = infos[r]
-        if not s.plan.placement.multi_host:  # remote pids mean nothing here (supervision.liveness)
-            s._pids[r] = psutil.Process(info["pid"])
+        proc = own_process(s, info["pid"])  # a remote pid means nothing here (see liveness)
+        if proc is not None:
+            s._pids[r] = proc
         s.ranks.append(
             RankState(
                 rank=r,
@@ -249,6 +362,40 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
                 coords=layout.coords(r),
             )
         )
+
+
+def remote_folder_removers(s) -> list:
+    """The ssh connections (one per host) of ssh engines, to remove the session's folder
+    that ipyparallel made on their hosts (profile, connection file, output), once it has
+    fetched their output at stop. Taken before the engines stop: their launchers go."""
+    senders = {}
+    for engine_set in (s._cluster.engines if s._cluster else {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if hasattr(launcher, "ssh_sender") and hasattr(launcher, "location"):
+                senders.setdefault(launcher.location, launcher)
+    return list(senders.values())
+
+
+def remove_remote_folders(s, launchers: list, timeout: float = 10) -> None:
+    """Remove the session's folder on each ssh host (see remote_folder_removers); only a
+    folder named as the session's, and not waiting more than ``timeout`` for a host."""
+    from .watchdog import FOLDER_PREFIX
+
+    folder = os.path.dirname(s._profile_dir)
+    if not launchers or not os.path.basename(folder).startswith(FOLDER_PREFIX):
+        return
+
+    def remove(launcher) -> None:
+        try:
+            launcher.ssh_sender.cmd_rmdir(os.path.dirname(launcher.remote_profile_dir))
+        except Exception as e:
+            log.info("removing the session folder on %s: %s", launcher.location, e)
+
+    threads = [threading.Thread(target=remove, args=(x,), daemon=True) for x in launchers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
 
 
 def stop_processes(s) -> None:
@@ -320,24 +467,26 @@ def start_error(plan: SessionPlan, e: Exception) -> DistCellError:
     """What a failed start says: the cause (an engine's own output when it exited) and
     advice that fits where the ranks run."""
     place = plan.placement
-    remote = place.launcher == "slurm" or any(not is_loopback(h) for h, _ in place.hosts)
     cause = str(e) if isinstance(e, EnginesExited) else one_line(e)
     output = getattr(e, "output", "").rstrip()
     seen = " (its output is above)" if output else ""
-    if remote:
-        advice = (
+    return DistCellError(
+        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
+        f"{cause}{seen}. Nothing is left running. {start_advice(plan)}",
+        f"{output}\n" if output else "",
+    )
+
+
+def start_advice(plan: SessionPlan) -> str:
+    """What to check when engines cannot start, for where they run."""
+    if plan.placement.remote:
+        return (
             "Check that the hosts are reachable and run the same Python with "
             "infini_notebook installed."
         )
-    else:
-        advice = (
-            f"The engines run {sys.executable} on this machine: check that it imports "
-            "ipyparallel, torch and infini_notebook, and your --env values."
-        )
-    return DistCellError(
-        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
-        f"{cause}{seen}. Nothing is left running. {advice}",
-        f"{output}\n" if output else "",
+    return (
+        f"The engines run {sys.executable} on this machine: check that it imports "
+        "ipyparallel, torch and infini_notebook, and your --env values."
     )
 
 
@@ -353,8 +502,12 @@ def gather(s, pending: dict, what: str, timeout: float | None = None) -> dict:
     deadline = time.monotonic() + (timeout or s.plan.timeout + 60)
     out, errors, tracebacks = {}, {}, {}
     for r, ar in pending.items():
+        while not ar.ready() and time.monotonic() < deadline:  # a dead controller never answers
+            ar.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            if not ar.ready() and not controller_running(s):
+                raise DistCellError(f"{what}: {CONTROLLER_GONE}")
         try:
-            out[r] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[r] = ar.get(timeout=0)
         except Exception as e:
             errors[r] = one_line(e)
             tracebacks[r] = remote_traceback(e)
@@ -395,17 +548,8 @@ def purge_hub(s) -> None:
     as a pulled tensor). On the session's loop thread, at most once per
     HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
     the controller counts a task finished a little after the client does."""
-    with s._client_lock:
-        s._hub_purge_queued = False
-        client = s._client
-        if client is None:
-            return
-        try:  # purge_hub_results would wait for ever on a controller that is gone
-            reply = client._send(
-                client._query_stream,
-                "purge_request",
-                content={"engine_ids": [], "msg_ids": "all"},
-            )
-            reply.result(timeout=10)
-        except Exception as e:
-            log.debug("controller purge: %s", e)
+    s._hub_purge_queued = False
+    try:
+        ask_controller(s, "purge_request", {"engine_ids": [], "msg_ids": "all"})
+    except Exception as e:
+        log.debug("controller purge: %s", e)

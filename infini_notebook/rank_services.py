@@ -44,12 +44,9 @@ def install_stack_dumper(cfg: dict) -> None:
     cell is stuck in a collective (torch releases the GIL while it waits). The store client
     and the scratch file are this engine's, so it works on any host. The counter is read
     here, before bootstrap returns, so that no request can come before the thread listens."""
-    import torch.distributed as dist
 
     rank = cfg["rank"]
-    store = dist.TCPStore(
-        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timedelta(seconds=60)
-    )
+    store = session_store(cfg, timedelta(seconds=60))
     answered = store.add(stack_key(rank, "count"), 0)
     scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
 
@@ -168,7 +165,6 @@ def install_telemetry(cfg: dict) -> None:
 
     def publish() -> None:
         import psutil
-        import torch.distributed as dist
 
         proc = psutil.Process()
         proc.cpu_percent(None)  # the first call only starts the measurement
@@ -176,12 +172,7 @@ def install_telemetry(cfg: dict) -> None:
         while True:  # the first snapshot at once: status() right after start has numbers
             try:
                 if store is None:
-                    store = dist.TCPStore(
-                        cfg["master_addr"],
-                        int(cfg["master_port"]),
-                        is_master=False,
-                        timeout=timedelta(seconds=10),
-                    )
+                    store = session_store(cfg, timedelta(seconds=10))
                 store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
             except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
                 store = None
@@ -199,11 +190,44 @@ def _snapshot(proc, gpu: int | None) -> dict:
 
         free, total = torch.cuda.mem_get_info(gpu)
         snap.update(memory_used=total - free, memory_total=total)
-        try:  # needs nvidia-ml-py; torch maps our CUDA_VISIBLE_DEVICES to NVML's index
-            snap["gpu_util"] = torch.cuda.utilization(gpu)
-        except Exception:
-            pass
+        util = gpu_utilization(gpu)
+        if util is not None:
+            snap["gpu_util"] = util
     return snap
+
+
+_nvml_missing: list[str] = []  # why utilization cannot be read here, once known
+
+
+def gpu_utilization(gpu: int) -> int | None:
+    """The GPU's utilization in %, None without nvidia-ml-py (or NVML). Tried once: a
+    missing pynvml would otherwise be imported again every second."""
+    if _nvml_missing:
+        return None
+    try:  # torch maps our CUDA_VISIBLE_DEVICES to NVML's index
+        import torch
+
+        return torch.cuda.utilization(gpu)
+    except ImportError as e:  # torch imports pynvml on each call
+        _nvml_missing.append(str(e))
+    except Exception:  # NVML itself failed this time
+        pass
+    return None
+
+
+def session_root(token: str) -> str:
+    """The prefix of every key a session keeps in the kernel's store (see cluster.Session)."""
+    return f"infini-{token}"
+
+
+def session_store(cfg: dict, timeout: timedelta):
+    """A client of the kernel's store that sees only this session's keys."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        cfg["master_addr"], int(cfg["master_port"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(session_root(cfg["token"]), store)
 
 
 def watch_store(host: str, port: int) -> None:

@@ -62,8 +62,9 @@ def still_stuck(s) -> set[int]:
 
 def stuck_ranks(s) -> list[int]:
     """Ranks whose engine still has work queued or running."""
-    with s._client_lock:
-        status = s._client.queue_status()
+    from .processes import queue_status
+
+    status = queue_status(s)
     return [r for r in range(s.world_size) if status.get(s._eids[r], {}).get("queue", 0) > 0]
 
 
@@ -97,7 +98,7 @@ def ask(s, ranks: list[int], question: str, wait: float) -> dict[int, str]:
     that came within ``wait`` seconds. Later ones are deleted at the next question."""
     from datetime import timedelta
 
-    store = s._store
+    store = s._keys
     with s._ask_lock:  # a running cell asks while %dist_stacks may ask beside it
         for key in s._late_stacks:  # answers that came after we stopped waiting
             store.delete_key(key)
@@ -286,7 +287,7 @@ def status(s) -> list[RankState]:
 
 def read_telemetry(s) -> dict[int, dict]:
     """The latest snapshot each rank's telemetry thread put in the store (engine.py)."""
-    store = s._store
+    store = s._keys
     if store is None or not s.running:
         return {}
     out = {}

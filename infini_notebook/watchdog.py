@@ -11,6 +11,7 @@ and those a hard restart brings up, without being told about each.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -67,6 +68,17 @@ def end_all(procs: list[psutil.Process], grace: float = GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=GRACE_S)
 
 
+FOLDER_PREFIX = "infini-notebook-"  # the session's folder (tempfile.mkdtemp's prefix)
+
+
+def remove_session_folder(path: str) -> None:
+    """The session's own folder and nothing else: its name says it is one."""
+    import shutil
+
+    if os.path.basename(os.path.normpath(path)).startswith(FOLDER_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv: list[str]) -> int:
     kernel, profile_dir, since = parse(argv[0]), argv[1], float(argv[2])
     while same_process(*kernel):
@@ -74,6 +86,7 @@ def main(argv: list[str]) -> int:
     # Twice: a launcher caught halfway may still start a process as the first round ends.
     for _ in range(2):
         end_all(session_processes(profile_dir, since))
+    remove_session_folder(os.path.dirname(profile_dir))  # the kernel cannot any more
     return 0
 
 

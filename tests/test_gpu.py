@@ -108,3 +108,29 @@ def test_status_shows_live_gpu_memory_while_a_cell_holds_it():
         assert f"of {viz._bytes(rs.memory_total)}" in viz.status_tile_html(rs)
     finally:
         session.stop()
+
+
+# What one GPU can show without peers (#20 item 12): the check finds a corrupted element,
+# and the first status reports the device's memory in use, as telemetry does (item 13).
+CHECK_FINDS_CORRUPTION = """%%dist
+from infini_notebook import bench_engine as be
+buf = torch.zeros(1024, device=device)
+spec = {"collective": "all_reduce"}
+def corrupted():
+    dist.all_reduce(buf)
+    buf[17] += 1
+print(be._check(torch, spec, buf, buf, lambda: dist.all_reduce(buf), 1, 0, 1024),
+      be._check(torch, spec, buf, buf, corrupted, 1, 0, 1024))
+"""
+
+
+def test_one_gpu_check_finds_a_corrupted_element_and_status_counts_device_memory(kernel):
+    kernel.run("%dist_start --gpus 1 --timeout 60", timeout=300)
+    try:
+        assert "[rank 0] 0 1" in text_of(kernel.run(CHECK_FINDS_CORRUPTION, timeout=120))
+        # before any telemetry: the CUDA context alone is hundreds of MiB of the device's
+        # memory, where allocator bytes (the old first value) would be 0
+        used = text_of(kernel.run("print(dist_session.ranks[0].memory_used)")).strip()
+        assert int(used) > 100 << 20, used
+    finally:
+        kernel.run("%dist_stop", allow_error=True)

@@ -95,8 +95,22 @@ def test_cuda_local_rank_is_the_ranks_gpu_on_every_node(slots, data):
     visible, index = plan.cuda_devices(rank)
     node, local_rank, local_world = places[rank]
     assert index == local_rank  # torch.cuda.set_device(LOCAL_RANK) picks this rank's GPU
-    assert visible.split(",")[index] == plan.gpus[rank]
-    assert len(visible.split(",")) == local_world == slots[node]
+    assert visible is None  # the host's own CUDA_VISIBLE_DEVICES stays (#20 item 5)
+    assert local_world == slots[node]
+
+
+def test_ranks_on_other_hosts_use_only_the_gpus_their_host_gave_them():
+    from infini_notebook.plan import launcher_device
+
+    # Slurm gave this job GPUs 4-7 of a shared node: local rank 2 is the third of those
+    # (device 2 within CUDA_VISIBLE_DEVICES), never physical GPU 2 of another job
+    assert launcher_device("4,5,6,7", 2, 4) == 2
+    assert launcher_device(None, 3, 4) == 3  # nothing set: the host's GPUs, torchrun's way
+    assert launcher_device("6", 3, 4) == 0  # one GPU bound to each task
+    with pytest.raises(DistUsageError, match="gives 2 GPUs"):
+        launcher_device("4,5", 2, 4)
+    with pytest.raises(DistUsageError, match="gives 0 GPUs"):
+        launcher_device("", 0, 2)
 
 
 def test_engine_environment_carries_torchrun_layout_and_gpu_variables():
@@ -218,3 +232,74 @@ def test_stack_dump_taken_on_a_helper_thread_reads_as_the_cell_thread():
     seen = as_seen_by_thread(dump, main=0xAA, helper=0xCC)
     assert seen.startswith("Current thread 0x00000000000000aa") and "in f" in seen
     assert "Thread 0x00000000000000bb" in seen and "_dump_stacks" not in seen
+
+
+def test_backends_stay_on_loopback_and_nccl_errors_raise_unless_the_user_says_otherwise():
+    from infini_notebook.engine import backend_defaults
+
+    env = backend_defaults({}, "lo")
+    assert env == {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",  # NCCL too, not only gloo (#20 item 3)
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # a timed-out collective raises (item 4)
+    }
+    users = {"NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert backend_defaults(users, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}
+    # a session across hosts: the interfaces are the user's choice (--env)
+    assert backend_defaults({}, None) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def test_recovery_advice_follows_the_backend_and_nccl_error_handling():
+    from infini_notebook.plan import soft_restart_fails
+
+    assert soft_restart_fails(make_plan(nprocs=2), {}) is None  # gloo: the ranks live on
+    nccl = make_plan(gpus=2, visible_gpus=["0", "1"])
+    assert soft_restart_fails(nccl, {}) is None  # the session's own setting (2)
+    torn = soft_restart_fails(nccl, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    assert torn == "with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 NCCL tears a timed-out rank down"
+    given = make_plan(gpus=2, visible_gpus=["0", "1"], env=["TORCH_NCCL_ASYNC_ERROR_HANDLING=0"])
+    assert "leaves the GPU work hanging" in soft_restart_fails(given, {})
+
+
+def test_a_cyclic_distribution_across_hosts_is_refused():
+    from infini_notebook.launchers import check_placement
+
+    plan = make_plan(launcher="slurm", nnodes=2, gpus_per_node=2, bind_address="10.0.0.5")
+
+    def ident(host, local):
+        return {"hostname": host, "launcher_local_rank": str(local)}
+
+    check_placement([ident("a", 0), ident("a", 1), ident("b", 0), ident("b", 1)], plan)  # block
+    cyclic = [ident("a", 0), ident("b", 0), ident("a", 1), ident("b", 1)]
+    with pytest.raises(DistUsageError, match="Rank 1 runs on b as local rank 0.*block"):
+        check_placement(cyclic, plan)
+    # a launcher that names no local rank (ssh): the hosts are checked
+    no_local = [{"hostname": h} for h in ("a", "b", "a", "b")]
+    with pytest.raises(DistUsageError, match="The ranks of host 0 run on a, b"):
+        check_placement(no_local, plan)
+
+
+def test_one_remote_host_makes_a_multi_host_session():
+    one_remote = make_plan(launcher="mpi", hosts="node1:8", bind_address="10.0.0.5")
+    assert one_remote.placement.multi_host  # engines there cannot watch the kernel's pid
+    assert not make_plan(launcher="mpi", nprocs=2).placement.multi_host  # this host only
+
+
+def test_ranks_are_never_told_to_connect_to_0_0_0_0():
+    from infini_notebook.launchers import cluster_options
+
+    one = ["127.0.0.1", "10.0.0.5"]
+    remote = {"launcher": "ssh", "hosts": "a:1,b:1"}
+    plan = make_plan(**remote, bind_address="0.0.0.0", host_addresses=one)
+    assert (plan.controller_address, plan.store_address) == ("10.0.0.5", "10.0.0.5")
+    assert cluster_options(plan, "/p")["controller_location"] == "10.0.0.5"
+    assert cluster_options(plan, "/p")["controller_ip"] == "0.0.0.0"  # still listens on all
+    # docs/multinode.md's tcp://0.0.0.0:PORT: ranks get the bind address
+    tcp = make_plan(
+        **remote, bind_address="10.0.0.7", init_method="tcp://0.0.0.0:29500", host_addresses=one
+    )
+    assert tcp.store_address == "10.0.0.7" and tcp.init_method.host == "0.0.0.0"
+    with pytest.raises(DistUsageError, match="several: 10.0.0.5, 192.168.1.2.*--bind-address"):
+        make_plan(**remote, bind_address="0.0.0.0", host_addresses=[*one, "192.168.1.2"])
+    local = make_plan(nprocs=2, init_method="tcp://0.0.0.0:29500", host_addresses=one)
+    assert local.store_address == "127.0.0.1"  # ranks on this host

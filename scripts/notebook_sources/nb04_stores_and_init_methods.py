@@ -109,25 +109,32 @@ CELLS = [
     """),
     code("""
     keys = sorted(kernel_store.list_keys())
-    session_keys = [k for k in keys if k.startswith("attempt_0/")]
-    print(len(session_keys), "keys under attempt_0/, for example", session_keys[-1])
-    print("our keys:", [k for k in keys if not k.startswith("attempt_0/")])
+    root = f"infini-{dist_session._token}/"  # the session's keys: see below
+    session_keys = [k for k in keys if k.startswith(root)]
+    print(len(session_keys), "keys under the session's root, in",
+          sorted({k[len(root):].split("/")[0].split("-")[0] for k in session_keys}))
+    print("our keys:", [k for k in keys if not k.startswith(root)])
     print("team_0/size =", kernel_store.get("team_0/size"))
     print("team_1/size =", kernel_store.get("team_1/size"))
     """),
     md("""
-    The `attempt_0/` keys are the session's own. Its default process group was created with
-    `init_process_group(store=PrefixStore("attempt_0", store), ...)`, so all of torch's
-    rendezvous traffic (each rank's address, the groups' barrier counters) lives under that
-    prefix. `%dist_restart` (for a failed collective) builds the groups again, keeping your
-    variables, under `attempt_1` on the same store, so the new groups can never read a
-    stale address left by the old ones:
+    The session's own keys live under one root, `infini-` and 32 random hex digits, so
+    that no other user of the machine can guess them. Its default process group was created
+    with `init_process_group(store=PrefixStore(".../attempt_0-NONCE", store), ...)`, so all
+    of torch's rendezvous traffic (each rank's address, the groups' barrier counters) lives
+    under that prefix; `infini/` holds the stack requests and telemetry. `%dist_restart`
+    (for a failed collective) builds the groups again, keeping your variables, under
+    `attempt_1` and a fresh random nonce on the same store, so the new groups can never
+    read a stale address left by the old ones, nor keys someone wrote there in advance:
     """),
     code("%dist_restart"),
     code("""
     from collections import Counter
 
-    Counter(k.split("/")[0] for k in kernel_store.list_keys() if k.startswith("attempt_"))
+    Counter(
+        k[len(root):].split("-")[0] for k in kernel_store.list_keys()
+        if k.startswith(root + "attempt_")
+    )
     """),
     md("""
     The rule for your own groups is the same: **one fresh prefix per group instance.**
@@ -238,7 +245,7 @@ CELLS = [
     | fits | launchers that set the env: torchrun, Slurm, Kubernetes | your own launcher that knows rank 0's host | no open ports between hosts, but a shared NFS |
 
     In a script, the three look like this (a fourth, `store=`, takes any store you made,
-    which is what this tool does under its `attempt_N` prefix):
+    which is what this tool does under its `attempt_N-NONCE` prefix):
 
     ```python
     dist.init_process_group("gloo")  # env://: torchrun has set the four variables
@@ -297,7 +304,7 @@ CELLS = [
     - A **store** is how ranks rendezvous: `set`, blocking `get`/`wait`, atomic `add`.
       TCPStore needs a reachable port, FileStore a shared file system.
     - **PrefixStore** gives each user of a store its own key space. The session uses
-      `attempt_N/`; use one fresh prefix per group you build.
+      `infini-TOKEN/attempt_N-NONCE/`; use one fresh prefix per group you build.
     - **Init methods** are ways to get a store: `env://` (launchers), `tcp://` (known host and
       port), `file://` (shared file system), or `store=` directly.
     - A **process group from a store**, `dist.ProcessGroupGloo(PrefixStore(name, store),
