@@ -85,7 +85,7 @@ def grads(model):
 
 def show(losses, want):
     match = same([torch.tensor(losses)], [torch.tensor(want)])
-    print("losses", [round(x, 5) for x in losses], "match:", match)
+    print("losses", [round(x, 4) for x in losses], "match:", match)
 
 
 def state_mib(model, opt):
@@ -161,7 +161,7 @@ CELLS = [
     code("""
     %%dist --collapse
     ref_losses, ref_grads = reference()
-    print("one-process losses:", [round(x, 5) for x in ref_losses])
+    print("one-process losses:", [round(x, 4) for x in ref_losses])
     """),
     md("""
     ## DDP: the whole model on every rank, gradients all-reduced
@@ -310,8 +310,8 @@ CELLS = [
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_losses = train(ref, ref_opt, range(5))
-    print("resumed FSDP:", [round(x, 5) for x in losses])
-    print("one process: ", [round(x, 5) for x in ref_losses])
+    print("resumed FSDP:", [round(x, 4) for x in losses])
+    print("one process: ", [round(x, 4) for x in ref_losses])
     print("losses match:", same([torch.tensor(losses)], [torch.tensor(ref_losses)]))
     print("step 4 gradients match:", same(grads(model), grads(ref)))
     """),

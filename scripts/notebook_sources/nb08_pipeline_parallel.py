@@ -58,7 +58,7 @@ CELLS = [
 
     ref_loss = loss_fn(whole(x), y)
     ref_loss.backward()
-    print(f"one-process loss {ref_loss.item():.6f}")
+    print(f"one-process loss {ref_loss.item():.4f}")
 
     per_stage = len(whole) // groups.pp_size
     first = groups.pp_rank * per_stage
@@ -123,7 +123,7 @@ CELLS = [
         if groups.is_last_stage:
             loss = torch.stack(losses).mean()  # equal micro-batches: the mean of the means
             same_loss = torch.allclose(loss, ref_loss, rtol=1e-5)
-            print(f"loss {loss.item():.6f}, matches one process: {same_loss}")
+            print(f"loss {loss.item():.4f}, matches one process: {same_loss}")
         print(f"stage {groups.pp_rank}: gradients match one process: {same_grads}")
     """),
     md("""
@@ -146,23 +146,28 @@ CELLS = [
     md("""
     ## The timeline
 
-    Each stage's log goes to stage 0 (`gather_object` over `groups.pp`), which draws one row
-    per stage: blue boxes are forwards, orange boxes backwards, numbered by micro-batch. The
-    first step of a stage also infers the shapes it will exchange, so the timeline is taken
-    from a second step (gradients zeroed first).
+    `timed_step` runs one more step (gradients zeroed first: the first step of a stage also
+    infers the shapes it will exchange, so it is not the one to time) and sends each stage's
+    log to stage 0 (`gather_object` over `groups.pp`), which prints the order of the passes
+    per stage. `draw` makes one row per stage: blue boxes are forwards, orange boxes
+    backwards, numbered by micro-batch.
     """),
     code("""
     %%dist --collapse
     import matplotlib.pyplot as plt
 
-    def timeline(schedule, events, title):
+    def timed_step(schedule, events):
+        \"\"\"One recorded step; stage 0 gets every stage's log and prints the order.\"\"\"
         module.zero_grad(set_to_none=True)
         events.clear()
         run_step(schedule)
         logs = [None] * groups.pp_size if groups.is_first_stage else None
         dist.gather_object(events, logs, dst=groups.ranks_in("pp")[0], group=groups.pp)
-        if not groups.is_first_stage:
-            return None
+        for stage_id, log in enumerate(logs or []):
+            print(f"stage {stage_id}:", " ".join(f"{kind}{mb}" for kind, mb, _, _ in log))
+        return logs
+
+    def draw(logs, title):
         t0 = min(start for log in logs for _, _, start, _ in log)
         fig, ax = plt.subplots(figsize=(8, 2.2))
         for stage_id, log in enumerate(logs):
@@ -174,19 +179,22 @@ CELLS = [
         ax.set(yticks=range(groups.pp_size), ylabel="stage", xlabel="ms", title=title)
         ax.invert_yaxis()
         plt.show()
-        return [[f"{kind}{mb}" for kind, mb, _, _ in log] for log in logs]
 
-    order = timeline(gpipe, gpipe_events, "GPipe: all forwards, then all backwards")
-    if order:
-        for stage_id, passes in enumerate(order):
-            print(f"stage {stage_id}:", " ".join(passes))
+    gpipe_logs = timed_step(gpipe, gpipe_events)
+    """),
+    md("""
+    Only stage 0 holds the logs, so it alone draws (`--where pp=0`):
+    """),
+    code("""
+    %%dist --where pp=0
+    draw(gpipe_logs, "GPipe: all forwards, then all backwards")
     """),
     md("""
     Look at the staircase: stage 0 starts the forward of micro-batch 1 as soon as it has
     sent micro-batch 0 on, and the backwards run in the other direction, from the last stage
     to the first. The empty corners are the **pipeline bubble**, idle time that shrinks
-    relative to the work as micro-batches are added. The printed order below the figure is
-    what to compare with 1F1B (the times vary from run to run; the order does not).
+    relative to the work as micro-batches are added. The printed order above is what to
+    compare with 1F1B (the times vary from run to run; the order does not).
 
     ## 1F1B
 
@@ -203,10 +211,11 @@ CELLS = [
     """),
     code("""
     %%dist --collapse
-    order = timeline(f1b1, f1b1_events, "1F1B: one forward, one backward")
-    if order:
-        for stage_id, passes in enumerate(order):
-            print(f"stage {stage_id}:", " ".join(passes))
+    f1b1_logs = timed_step(f1b1, f1b1_events)
+    """),
+    code("""
+    %%dist --where pp=0
+    draw(f1b1_logs, "1F1B: one forward, one backward")
     """),
     md("""
     The last stage now runs `F0 B0 F1 B1 ...`: each micro-batch's backward follows its
