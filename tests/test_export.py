@@ -288,6 +288,34 @@ def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path)
     assert lines_by_rank(proc.stdout, 4) == notebook
 
 
+@pytest.mark.timeout(600)
+def test_tutorial_07_with_a_hard_restart_exports_to_the_same_training_under_torchrun(tmp_path):
+    """Tutorial 07 trains (DDP, FSDP2), saves a DCP checkpoint, hard-restarts and resumes.
+    Its script has no restart (it is one run): the checkpoint is saved and loaded back in
+    the same processes, and every rank prints the same losses and checks as in the notebook."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(os.path.join(REPO, "notebooks", "07_data_parallel_checkpoints.ipynb"), 4)
+    *cells, stop = [c for c in nb.cells if c.cell_type == "code"]
+    assert stop.source == "%dist_stop"
+    path = str(tmp_path / "nb07.py")
+    cells += [nbformat.v4.new_code_cell(f"%dist_export {path}"), stop]
+    nb.cells = cells
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": REPO}})  # fmt: skip
+    with client.setup_kernel():
+        for i, cell in enumerate(cells):
+            client.execute_cell(cell, i)
+    said = text_of(cells[-2])
+    assert "%dist_restart --hard" in said and "torchrun --nproc_per_node 4" in said, said
+    dist_cells = [c for c in cells if c.source.startswith("%%dist")]
+    notebook = lines_by_rank("".join(text_of(c, "stdout") for c in dist_cells), 4)
+    assert "losses match: True" in notebook[0] and "step 4 gradients match: True" in notebook[0]
+    proc = run_torchrun(path, 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines_by_rank(proc.stdout, 4) == notebook
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_exported_script_runs_on_nccl_one_gpu_per_rank(tmp_path):

@@ -36,6 +36,9 @@ MODES = {
     "05-24": "skip",
     "05-34": "stdout",
     **dict.fromkeys(["06-05", "06-09"], "shape"),
+    # the live memory tiles (RSS or device memory) and a stage's timings
+    **dict.fromkeys(["07-09", "07-14", "07-23", "07-26"], "shape"),
+    "08-22": "shape",
 }
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
