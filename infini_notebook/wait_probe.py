@@ -112,12 +112,13 @@ def _pending_seq(pg) -> int | None:
     except Exception:  # no Flight Recorder in this build, or it is not recording
         return None
     name = getattr(pg, "group_name", None)
-    seqs = [
-        e.get("collective_seq_id")
+    # the newest entry: a group rebuilt by a restart may take an old group's name again
+    mine = [
+        e
         for e in dump.get("entries", [])
         if (e.get("process_group") or [None])[0] == name and e.get("collective_seq_id")
     ]
-    return max(seqs) if seqs else None
+    return max(mine, key=lambda e: e.get("record_id", 0))["collective_seq_id"] if mine else None
 
 
 def tcp_links() -> list[list]:

@@ -32,9 +32,11 @@ MODES = {
     **dict.fromkeys(["03-09", "03-13", "03-19", "03-23", "03-25"], "shape"),
     **dict.fromkeys(["03-11", "03-15", "03-17", "03-21", "03-27", "03-30"], "skip"),
     **dict.fromkeys(["04-08", "04-13", "04-17", "04-20", "04-31"], "shape"),
-    "05-21": "stdout",
-    "05-24": "skip",
-    "05-34": "stdout",
+    # 05: background and stopped cells print stacks and tracebacks through torch on stderr;
+    # which ranks time out first in a mismatch, or lose their connection to a dead rank
+    # before they are released, varies from run to run
+    **dict.fromkeys(["05-27", "05-40"], "stdout"),
+    **dict.fromkeys(["05-20", "05-30", "05-48"], "skip"),
     **dict.fromkeys(["06-05", "06-09"], "shape"),
     # the live memory tiles (RSS or device memory) and a stage's timings
     **dict.fromkeys(["07-09", "07-14", "07-23", "07-26"], "shape"),

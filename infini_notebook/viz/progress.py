@@ -38,12 +38,11 @@ class OutputPrinter:
             self.widget.append_stderr(text)
 
     def status(self, text: str, handle=None):
-        """A line updated in place: a Label inside the output."""
+        """Its first text only: an Output widget cannot update a line in place, and a
+        nested widget would save as 'Label(...)' in the notebook."""
         if handle is None:
-            handle = widgets.Label(text)
-            self.widget.append_display_data(handle)
-        handle.value = text
-        return handle
+            self.err(f"{text}\n")
+        return True
 
     def display(self, label: str, output: dict) -> None:
         data = output.get("data", {})

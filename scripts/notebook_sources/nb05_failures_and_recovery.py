@@ -17,9 +17,10 @@ CELLS = [
     | failure | what the cell says | recovery |
     |---|---|---|
     | exception on one rank | that rank's traceback, labeled | none needed |
-    | hung collective | at the timeout: who finished, who was stuck, where | `%dist_restart` |
-    | you press stop | SIGINT to every rank; ranks stuck in C named, with stacks | see section 4 |
-    | a rank dies | the rank and its exit code or signal | `%dist_restart --hard` |
+    | a rank fails, the others wait for it | its traceback at once; who waited for whom: released | none: groups rebuilt by themselves |
+    | hung collective, nobody failed | where each rank waits, live; the timeout ends it | `%dist_restart` |
+    | you press stop | SIGINT to every rank; ranks stuck in C named, with stacks | see section 5 |
+    | a rank dies | the rank and its exit code or signal; waiting peers released | `%dist_restart --hard` |
 
     Cells that fail on purpose carry the tag `raises-exception`, so *Run All* goes on past
     them. About ten minutes, on 4 CPU ranks; on GPUs start with `--gpus 4` instead.
@@ -72,13 +73,44 @@ CELLS = [
     print("still fine, keep =", keep)
     """),
     md("""
-    ## 2. A hung collective
+    ## 2. One rank fails while the others wait for it
 
-    The classic distributed bug: a collective that not every member of the group reaches.
-    Here only rank 0 calls `all_reduce`; ranks 1-3 skip it and finish. Rank 0 waits for
-    peers that never come. In a script this hangs until someone notices. Here it ends after
-    the collective timeout (5 s), and the error says who had finished, who was stuck, and
-    where: rank 0's traceback ends in the `all_reduce` call of this cell.
+    The most common failure in distributed code: one rank raises (a shape mismatch, a bug in
+    a rank-dependent branch) and the others block in the next collective, waiting for a peer
+    that will never come. Rank 0 raises here; ranks 1-3 go on into `all_reduce`.
+
+    Look at three things: rank 0's traceback appears at once, while the others still wait;
+    the error starts with that root cause, then says who was waiting for whom, where (the
+    collective, its number in the group, the line of this cell) and that the wait was
+    **released**; and the cell ends in about a second, not at the timeout. Only waits that
+    can never finish are released: a rank computing, or waiting in a group without the
+    failed rank, is left alone.
+    """),
+    code(
+        """
+    %%dist
+    if rank == 0:
+        raise RuntimeError("rank 0 bails out")
+    dist.all_reduce(torch.ones(1))
+    """,
+        "raises-exception",
+    ),
+    md("""
+    The process groups the released ranks used were rebuilt by themselves (a soft restart:
+    new groups under a fresh store prefix, same processes), so `groups` and `mesh` are new
+    and your variables are kept. Objects you built on the old groups (a DDP or FSDP module,
+    your own `DeviceMesh`) must be made again. The next cell just works:
+    """),
+    code("""
+    %%dist
+    y = torch.ones(1)
+    dist.all_reduce(y)
+    print(f"all_reduce works: {y.item():.0f}; keep = {keep}")
+    """),
+    md("""
+    The same holds when the peers did not fail but simply **finished** without entering the
+    collective, the classic "not every rank reaches it" bug: rank 0 waits for ranks that
+    already left the cell, so its wait is released too.
     """),
     code(
         """
@@ -91,11 +123,31 @@ CELLS = [
         "raises-exception",
     ),
     md("""
+    ## 3. A genuine hang: every rank waits, in collectives that do not match
+
+    When no rank has left the cell, nobody can tell a slow rank from a stuck one, so the
+    collective timeout (5 s here) decides. Meanwhile, after two seconds, the cell shows,
+    updated in place, where each rank waits: the call, its group and its number from torch's
+    Flight Recorder. Ranks 0-1 are in `all_reduce`, ranks 2-3 in `broadcast`, both the
+    world group's collective #N: a mismatch.
+    """),
+    code(
+        """
+    %%dist
+    x = torch.ones(1)
+    if rank < 2:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, 0)
+    """,
+        "raises-exception",
+    ),
+    md("""
     After a timeout the process groups cannot be trusted: a rank may have half-sent data,
     and the next collective could pair with the leftover. `%dist_restart` rebuilds them: every
     rank destroys its process groups and initialises new ones under a fresh store prefix
-    (`attempt_1`, so no stale key from the broken attempt is read), in the **same** engine
-    processes. Your variables stay.
+    (so no stale key from the broken attempt is read), in the **same** engine processes.
+    Your variables stay.
     """),
     code("%dist_restart"),
     code("""
@@ -105,7 +157,7 @@ CELLS = [
     print(f"all_reduce works again: {y.item():.0f}; keep = {keep}")
     """),
     md("""
-    ## 3. Where is each rank? `%dist_stacks`
+    ## 4. Where is each rank? `%dist_stacks`
 
     `%dist_stacks` prints each rank's Python stack *now*. A small thread on each rank takes
     it (`faulthandler`) and sends it back through the session's TCPStore, so it works even
@@ -117,13 +169,16 @@ CELLS = [
     md("""
     To look at ranks *while* a cell runs, run that cell with `--background`: it returns at
     once, its output fills in below it as the ranks print, and the notebook is free for
-    other cells. Here rank 0 is again alone in an `all_reduce` (it will time out after 5 s),
-    and `%dist_status` and `%dist_stacks` look at it meanwhile:
+    other cells. Here rank 0 enters an `all_reduce` while ranks 1-3 compute for 6 s (longer
+    than the 5 s timeout), and `%dist_status` and `%dist_stacks` look at it meanwhile:
     """),
     code("""
     %%dist --background
+    import time
     if rank == 0:
-        dist.all_reduce(torch.ones(1))  # no peer will come
+        dist.all_reduce(torch.ones(1))  # the others come too late
+    else:
+        time.sleep(6)
     print("rank", rank, "finished its part")
     """),
     code("""
@@ -133,14 +188,14 @@ CELLS = [
     %dist_status
     """),
     md("""
-    Rank 0 is busy, the others are idle again. Its stack shows where it waits: the top
+    All four ranks are busy. Rank 0's stack shows where it waits: the top
     frame is `all_reduce` in `torch/distributed/distributed_c10d.py`, the last one the line
-    of the cell that called it (`File "/tmp/ipykernel_.../....py", line 2 in <module>`):
+    of the cell that called it (`File "/tmp/ipykernel_.../....py", line 3 in <module>`):
     """),
     code("%dist_stacks --ranks 0"),
     md("""
     After the timeout the background cell shows rank 0's error (in its own output area,
-    above), and the process groups need the same soft restart as in section 2:
+    above), and the process groups need the same soft restart as in section 3:
     """),
     code("""
     while any(r.state == "busy" for r in dist_session.status()):
@@ -150,9 +205,9 @@ CELLS = [
     """),
     md("""
     Without `--background`, pressing stop takes the stacks for you: it prints the stacks of
-    the ranks that do not stop (section 4).
+    the ranks that do not stop (section 5).
 
-    ## 4. Interrupting a cell
+    ## 5. Interrupting a cell
 
     Pressing Jupyter's stop button sends SIGINT to the kernel. `%%dist` passes it on: every
     rank running the cell gets SIGINT, Python raises `KeyboardInterrupt` there, and the
@@ -202,23 +257,36 @@ CELLS = [
     `KeyboardInterrupt` until that call returns. So after the SIGINT, `%%dist` waits 3 s;
     ranks still running then are named, with their stacks (what `%dist_stacks` would show):
     the top frame is the collective, the bottom one the line of the cell that called it.
-    Here rank 0 is again alone in an `all_reduce`:
+    Here rank 0 is in an `all_reduce` while the others sleep; the stop button ends the
+    sleepers, and rank 0 stays in its collective:
     """),
     code(
         """
     press_stop(after=1.0)
     dist_session.run(\"\"\"
+    import time
     if rank == 0:
         dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(30)
     \"\"\")
     """,
         "raises-exception",
     ),
     md("""
-    The stuck rank stays busy until the collective timeout (5 s here) frees it, and a soft
-    restart refuses while any rank is still running old code (it would say so and point to
-    `%dist_stacks` and `--hard`). So wait out the timeout, then rebuild the groups as in
-    section 2; the variables are kept once more. (`%dist_restart --hard` would not wait, but
+    The stuck rank stays busy until the collective timeout (5 s here) frees it. Meanwhile a
+    cell that needs it is refused, naming it, rather than queued behind the old one:
+    """),
+    code(
+        """
+    %%dist
+    print("next")
+    """,
+        "raises-exception",
+    ),
+    md("""
+    So wait out the timeout, then rebuild the groups as in section 3; the variables are kept
+    once more. (`%dist_restart --hard` would not wait, but
     loses the variables.)
     """),
     code("""
@@ -233,13 +301,14 @@ CELLS = [
     print(f"sum {y.item():.0f}, keep = {keep}")
     """),
     md("""
-    ## 5. A dead rank
+    ## 6. A dead rank
 
     A rank can die outright: killed for using too much memory, a segfault in an extension, a
     CUDA error that takes down the process. Here rank 2 exits with status 7 while the others
     head into an `all_reduce` that now can never complete. The session watches the engine
     processes, so the cell does not wait for the timeout: within a second it fails, naming
-    rank 2 and its exit code (or the signal that killed it), and interrupts the survivors.
+    rank 2 and its exit code (or the signal that killed it), and releases the survivors
+    that were waiting for it (ranks that were computing would finish their work).
     """),
     code(
         """
@@ -276,7 +345,7 @@ CELLS = [
     print(f"sum {y.item():.0f}; 'keep' still defined: {'keep' in globals()}")
     """),
     md("""
-    ## 6. When the kernel itself dies
+    ## 7. When the kernel itself dies
 
     Restarting or shutting down the kernel ends the session's processes, and so does a
     kernel that is killed outright (SIGKILL, the out-of-memory killer): each engine watches
@@ -293,13 +362,17 @@ CELLS = [
 
     - **Exception on some ranks**: the cell fails with each rank's traceback labeled; the
       session is fine, run the next cell.
-    - **Hung collective**: start with a `--timeout` that suits your job; when it fires, the
-      error names who finished and where the stuck ranks waited. `%dist_restart` rebuilds the
-      process groups and keeps every variable.
+    - **A rank fails while others wait for it**: its traceback shows at once, the waits that
+      can never finish are released within a second or so, and the process groups are
+      rebuilt by themselves (variables kept; re-create DDP/FSDP modules and meshes).
+    - **Hung collective, nobody failed**: the cell shows where each rank waits after two
+      seconds; start with a `--timeout` that suits your job. When it fires, `%dist_restart`
+      rebuilds the process groups and keeps every variable.
     - **`%dist_stacks`**: where every rank is now, even inside a collective.
     - **Stop button**: SIGINT to every rank; ranks stuck in native code are named with their
       stacks after 3 s and freed by the collective timeout.
-    - **Dead rank**: named with its exit code within a second; `%dist_restart --hard` starts
+    - **Dead rank**: named with its exit code within a second, its waiting peers released;
+      `%dist_restart --hard` starts
       fresh engines, and the variables are lost.
     - **Kernel gone**: every process of the session ends within seconds.
     """),
