@@ -104,6 +104,11 @@ def install(shell) -> list[str]:
     return _state["installed"]
 
 
+def installed() -> list[str]:
+    """What ``install`` put in place on this engine."""
+    return _state.get("installed", [])
+
+
 def _watching(stream) -> bool:
     """Whether ``stream`` reads its fd through a pipe, starting that where ipykernel left it
     off: it does not when the engine inherited PYTEST_CURRENT_TEST from a kernel started by
