@@ -39,7 +39,8 @@ class Pipe:
         self.fd = stream._original_stdstream_fd  # 1 or 2, now the pipe's write end
         self.reader = stream.watch_fd_thread.ident
         self.write = stream.write  # ipykernel's own
-        self.passed = threading.Event()
+        self.marks = threading.Condition()  # markers sent and seen: a late one from an
+        self.sent = self.seen = 0  # earlier cell that timed out cannot end this cell's wait
         self._late_lock = threading.Lock()  # threads add, the cell's thread takes
         self.late: list[str] = []
         self.late_chars = self.dropped = 0
@@ -52,12 +53,20 @@ class Pipe:
             rest = text.replace(MARK, "")
             if rest:
                 self.route(rest)
-            self.passed.set()
+            with self.marks:
+                self.seen += len(text) - len(rest)
+                self.marks.notify_all()
             return len(text)
         if me != self.cell.get("thread") and self._for_ended_cell():
             self._keep_late(text)
             return len(text)
         return self.write(text)
+
+    def wait_for_marks(self, deadline: float) -> bool:
+        with self.marks:
+            return self.marks.wait_for(
+                lambda: self.seen >= self.sent, max(0.0, deadline - time.monotonic())
+            )
 
     def _for_ended_cell(self) -> bool:
         header = self.stream.parent_header  # the cell this thread's text would go to
@@ -164,8 +173,14 @@ def _cell_started(cell: dict, pipes: list[Pipe]) -> None:
 
 def _cell_ended(cell: dict, pipes: list[Pipe], libc) -> None:
     """Let fd output written during the cell reach it; then the cell counts as ended."""
-    sync_fds(pipes, libc)
-    cell.clear()
+    try:
+        sync_fds(pipes, libc)
+    except KeyboardInterrupt:  # a Stop meant for the cell, which is over: its reply must go
+        pass
+    except OSError:  # a pipe gone: what is left shows late or in the engine's log
+        pass
+    finally:
+        cell.clear()
 
 
 def sync_fds(pipes: list[Pipe], libc) -> bool:
@@ -179,7 +194,8 @@ def sync_fds(pipes: list[Pipe], libc) -> bool:
         except (AttributeError, OSError, ValueError):
             pass
     for pipe in pipes:
-        pipe.passed.clear()
+        with pipe.marks:
+            pipe.sent += 1
         os.write(pipe.fd, MARK.encode())
     deadline = time.monotonic() + SYNC_WAIT_S
-    return all(pipe.passed.wait(max(0.0, deadline - time.monotonic())) for pipe in pipes)
+    return all(pipe.wait_for_marks(deadline) for pipe in pipes)

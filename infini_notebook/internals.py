@@ -45,6 +45,10 @@ def usable(obj, attrs: tuple[str, ...], dist: str, what: str) -> bool:
     """False, with a log line, when ``obj`` lacks one of ``attrs`` (the caller skips a
     speed-up and stays on the stock path)."""
     names = missing(obj, attrs)
-    if names:
+    if names and (dist, what) not in _warned:
+        _warned.add((dist, what))
         log.warning("%s: left at stock behaviour.", describe(dist, what, names))
     return not names
+
+
+_warned: set = set()  # said once per process
