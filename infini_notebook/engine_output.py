@@ -28,7 +28,7 @@ LATE = "(late) "
 LATE_MAX_CHARS = 100_000  # per stream, between two cells
 _STREAM_PARTS = ("_fid", "_should_watch", "_setup_stream_redirects", "parent_header", "write")
 
-_state: dict = {}  # "installed": the Pipes, once per engine process
+_state: dict = {}  # once per engine process: what is installed, the Pipes, libc
 
 
 class Pipe:
@@ -109,7 +109,7 @@ def install(shell) -> list[str]:
     libc = _libc()
     shell.events.register("pre_execute", lambda: _cell_started(cell, pipes))
     shell.events.register("post_execute", lambda: _cell_ended(cell, pipes, libc))
-    _state["installed"] = ["fd sync", "late output"]
+    _state.update(installed=["fd sync", "late output"], pipes=pipes, libc=libc)
     return _state["installed"]
 
 

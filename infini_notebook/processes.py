@@ -15,7 +15,7 @@ import warnings
 
 import psutil
 
-from . import engine, supervision
+from . import engine, internals, supervision
 from .errors import DistCellError, DistUsageError
 from .output import error_report, error_summary, one_line, remote_traceback
 from .plan import LOOPBACK, SessionPlan, is_loopback
@@ -25,6 +25,7 @@ log = logging.getLogger("infini_notebook")
 
 DIGEST_HISTORY = 2**14
 HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
+_PURGE_PARTS = ("_send", "_query_stream")  # private: purge_hub_results can wait for ever
 
 
 def start_store(s) -> None:
@@ -400,6 +401,8 @@ def purge_hub(s) -> None:
         client = s._client
         if client is None:
             return
+        if not internals.usable(client, _PURGE_PARTS, "ipyparallel", "Client: controller purge"):
+            return  # the controller then keeps every result: memory grows, a warning says so
         try:  # purge_hub_results would wait for ever on a controller that is gone
             reply = client._send(
                 client._query_stream,
