@@ -183,6 +183,21 @@ def test_an_interrupted_cell_releases_its_message_records(kernel, ranks):
     assert text_of(cell).split() == ["0", "0", "0"]
 
 
+def test_a_cell_ended_by_a_dead_rank_releases_the_records_of_the_others(kernel, ranks):
+    cell = kernel.run(
+        "%%dist\nimport os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(30)",
+        allow_error=True,
+        timeout=60,
+    )
+    assert "rank 1" in text_of(cell) and "%dist_restart --hard" in text_of(cell)
+    cell = kernel.run(
+        "c = dist_session._client\nwith dist_session._client_lock:\n"
+        "    print(len(c.history), len(c.results))"
+    )
+    assert text_of(cell).split() == ["1", "0"]  # only the dead rank's, still outstanding
+    kernel.run("%dist_restart --hard", timeout=180)
+
+
 # ----- 8 ranks of bars -------------------------------------------------------------------------
 def test_eight_ranks_of_tqdm_bars_stay_one_line_per_rank(kernel):
     use_session(kernel, "--nprocs 8")
