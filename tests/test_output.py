@@ -154,9 +154,10 @@ def test_ten_thousand_carriage_return_updates_end_in_one_exact_line(kernel, rank
 def test_engine_patches_are_in_effect_on_every_rank(kernel, ranks):
     cell = kernel.run(
         "%%dist\nfrom infini_notebook import engine_output, engine_tuning\n"
-        "print(all(engine_tuning.in_effect().values()), engine_output.installed())"
+        "print(all(engine_tuning.in_effect().values()), engine_output.installed(),\n"
+        "      all(p.idle() for p in engine_output._state['pipes']))"  # no marker needed now
     )
-    expected = [f"[rank {r}] True ['fd sync', 'late output']" for r in range(ranks)]
+    expected = [f"[rank {r}] True ['fd sync', 'late output'] True" for r in range(ranks)]
     assert sorted(stream_lines(cell, "stdout")) == expected
 
 
