@@ -191,11 +191,19 @@ def test_a_cell_ended_by_a_dead_rank_releases_the_records_of_the_others(kernel, 
         timeout=60,
     )
     assert "rank 1" in text_of(cell) and "%dist_restart --hard" in text_of(cell)
-    cell = kernel.run(
-        "c = dist_session._client\nwith dist_session._client_lock:\n"
-        "    print(len(c.history), len(c.results))"
+    # The others were interrupted as the cell ended; their records go as their replies come
+    # (at the next cell's clean-up); the dead rank's once the controller fails it.
+    count = (
+        "import time\nc = dist_session._client\nfor _ in range(20):\n"
+        "    try:  # right after an interrupt the engine may abort it: its clean-up runs\n"
+        "        dist_session.run('pass', ranks='0', echo=False)\n"
+        "    except Exception:\n        pass\n"
+        "    with dist_session._client_lock:\n"
+        "        left = (len(c.history), len(c.results))\n"
+        "    if left[0] <= 1 and left[1] == 0:\n        break\n    time.sleep(0.5)\nprint(*left)"
     )
-    assert text_of(cell).split() == ["1", "0"]  # only the dead rank's, still outstanding
+    history, results = map(int, text_of(kernel.run(count)).split())
+    assert history <= 1 and results == 0  # the dead rank's may stay until its engine is gone
     kernel.run("%dist_restart --hard", timeout=180)
 
 
