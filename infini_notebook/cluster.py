@@ -58,6 +58,8 @@ def start(
             "Stop it first with %dist_stop (or session.stop())."
         )
     plan = plan_from_options(options, **keywords)
+    if progress is not None:
+        progress(0, 0)  # the options are good: only now a "starting..." bar
     session = Session(plan)
     session.start(progress)
     _current = session

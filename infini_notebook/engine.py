@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import engine_tuning, rank_services, wait_probe
+from . import engine_output, engine_tuning, rank_services, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -71,6 +71,9 @@ def bootstrap(cfg: dict) -> dict:
     remember_failures()
     _keep_no_output_history()
     engine_tuning.apply()
+    from IPython import get_ipython
+
+    engine_output.install(get_ipython())
     import torch
 
     torch.set_num_threads(cfg["threads"])

@@ -9,25 +9,60 @@ from __future__ import annotations
 import functools
 import logging
 
+from . import internals
 
-def apply() -> None:
+_KERNEL_PARTS = ("_publish_status", "_publish_execute_input", "log")
+_STREAM_PARTS = ("_flush_pending", "_buffers", "flush")
+
+
+def apply() -> list[str]:
+    """Trim what this engine's ipykernel allows; returns the trims in place. One whose
+    internals are not the ones we know is skipped with a log line (stock speed)."""
     from IPython import get_ipython
 
     kernel = getattr(get_ipython(), "kernel", None)
     if kernel is None:
-        return
-    _skip_unread_iopub(kernel)
-    _flush_only_pending_output()
-    _remember_signature_checks()
-    kernel.log.setLevel(logging.WARNING)  # it was DEBUG: a record built per message, then dropped
+        return []
+    applied = []
+    if internals.usable(kernel, _KERNEL_PARTS, "ipykernel", "Kernel message publishing"):
+        _skip_unread_iopub(kernel)
+        kernel.log.setLevel(logging.WARNING)  # was DEBUG: a record built per message, dropped
+        applied += ["no busy/execute_input", "no debug log"]
+    if _flush_only_pending_output():
+        applied.append("flush only pending")
+    if _remember_signature_checks():
+        applied.append("signature checks remembered")
+    return applied
+
+
+def in_effect() -> dict[str, bool]:
+    """Each trim, looked up on the live objects: whether it is in place now."""
+    import sys
+
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    try:
+        from ipykernel import ipkernel
+    except ImportError:
+        ipkernel = None
+    return {
+        "no busy/execute_input": getattr(kernel._publish_status, "__name__", "")
+        == "publish_unless_busy",
+        "no debug log": kernel.log.level == logging.WARNING,
+        "flush only pending": all(
+            getattr(s.flush, "__name__", "") == "flush_if_pending" for s in (sys.stdout, sys.stderr)
+        ),
+        "signature checks remembered": hasattr(
+            getattr(ipkernel, "_accepts_parameters", None), "cache_info"
+        ),
+    }
 
 
 def _skip_unread_iopub(kernel) -> None:
     """No 'busy' status and no execute_input on iopub: ipyparallel's client waits for
     'idle' only, and the kernel knows the code it sent. Each is one message per rank per
     cell for the engine, the controller and the client."""
-    if not hasattr(kernel, "_publish_execute_input"):
-        return
     publish_status = kernel._publish_status
 
     def publish_unless_busy(status, channel, parent=None):
@@ -38,7 +73,7 @@ def _skip_unread_iopub(kernel) -> None:
     kernel._publish_execute_input = lambda *args, **kwargs: None
 
 
-def _flush_only_pending_output() -> None:
+def _flush_only_pending_output() -> bool:
     """ipykernel flushes stdout and stderr twice per request, each time waiting for its
     iopub thread to come round (a thread switch, slow on a loaded machine), even when the
     cell wrote nothing. Skip the flush when nothing is buffered. Ordering is kept: the
@@ -46,9 +81,10 @@ def _flush_only_pending_output() -> None:
     for it."""
     import sys
 
-    for stream in (sys.stdout, sys.stderr):
-        if not all(hasattr(stream, a) for a in ("_flush_pending", "_buffers", "flush")):
-            continue
+    streams = [sys.stdout, sys.stderr]
+    if not all(internals.usable(s, _STREAM_PARTS, "ipykernel", "OutStream") for s in streams):
+        return False
+    for stream in streams:
         flush = stream.flush
 
         def flush_if_pending(stream=stream, flush=flush) -> None:
@@ -56,18 +92,21 @@ def _flush_only_pending_output() -> None:
                 flush()
 
         stream.flush = flush_if_pending
+    return True
 
 
-def _remember_signature_checks() -> None:
+def _remember_signature_checks() -> bool:
     """ipykernel inspects ``run_cell``'s signature on every request (~15 % of an empty
     cell's engine time); the answer does not change while the method is the same."""
     try:
         from ipykernel import ipkernel
     except ImportError:
-        return
-    check = getattr(ipkernel, "_accepts_parameters", None)
-    if check is None or hasattr(check, "cache_info"):
-        return
+        return False
+    if not internals.usable(ipkernel, ("_accepts_parameters",), "ipykernel", "ipkernel"):
+        return False
+    check = ipkernel._accepts_parameters
+    if hasattr(check, "cache_info"):
+        return True
 
     @functools.lru_cache(maxsize=32)
     def remembered(meth, names: tuple) -> dict:
@@ -78,3 +117,4 @@ def _remember_signature_checks() -> None:
 
     accepts_parameters.cache_info = remembered.cache_info
     ipkernel._accepts_parameters = accepts_parameters
+    return True

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import processes, supervision
+from . import internals, processes, supervision
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .output import (
     StreamLabeler,
@@ -54,15 +54,17 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     watch = WaitWatch(s, cell, _cell_name())
     set_busy(s, targets, True)
     try:
-        follow(s, cell, watch)
-    except KeyboardInterrupt:
-        stuck = interrupt_stuck(s, cell)
-        raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
-    finally:
-        set_busy(s, targets, False)
-        cell.detach()
-    result = collect(cell, time.perf_counter() - t0, watch)
-    processes.forget(s, ar.msg_ids)
+        try:
+            follow(s, cell, watch)
+        except KeyboardInterrupt:
+            stuck = interrupt_stuck(s, cell)
+            raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
+        finally:
+            set_busy(s, targets, False)
+            cell.detach()
+        result = collect(cell, time.perf_counter() - t0, watch)
+    finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
+        processes.forget(s, ar.msg_ids)
     s.last = result
     if result.errors:
         error = cell_error(s, result, targets, watch)
@@ -179,33 +181,70 @@ def interrupt(s, ranks: str | list[int] | None = None) -> list[int]:
 class Cell:
     """One running cell, as ipyparallel reports it: each rank's message future resolves on
     its reply, and its iopub callbacks (the hook ``AsyncResult.stream_output`` uses) fire
-    on every output message. The callbacks, on the client's IO thread, only wake the
-    cell's thread, which reads the per-message metadata ipyparallel keeps (updated before
-    the callbacks run: no output is missed or shown twice). On top, only what is ours:
-    rank labels, ``--collapse`` and the line cap (``StreamLabeler``)."""
+    on every output message, on the client's IO thread. The callbacks keep the text of each
+    stream message as it comes (ipyparallel's accumulated copy is rewritten on ``\\r``, so
+    it can shrink, and cannot be diffed) and wake the cell's thread, which shows it: rank
+    labels, progress lines updated in place, ``--collapse`` and the line cap
+    (``StreamLabeler``). Rich outputs are read from ipyparallel's per-message metadata."""
+
+    LIVE_EVERY_S = 0.1  # a display updated in place at most this often
 
     def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
+        internals.require(ar, ("_children",), "ipyparallel", "AsyncResult: one future per rank")
+        for f in ar._children:
+            internals.require(f, ("iopub_callbacks", "output"), "ipyparallel", "MessageFuture")
         self.ar, self.targets, self.labeler, self.printer = ar, targets, labeler, printer
         self.futures = dict(zip(targets, ar._children))
         self.shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
         self.changed = threading.Event()
         self.dirty = set(targets)  # ranks with output not looked at yet
+        self._text = {r: {"stdout": [], "stderr": []} for r in targets}  # arrived, not shown
+        self._snapshot: dict[int, dict | None] = {}
+        self._live_at = 0.0
+        self._live_text = ""
         self._dirty_lock = threading.Lock()
         self._callbacks = {}
         for r, f in self.futures.items():
-            self._callbacks[r] = functools.partial(self._wake, r)
-            f.iopub_callbacks.append(self._callbacks[r])
-            f.add_done_callback(self._callbacks[r])
+            self._callbacks[r] = functools.partial(self._on_message, r)
+            with self._dirty_lock:  # a message arriving now waits for the snapshot
+                f.iopub_callbacks.append(self._callbacks[r])
+                self._take_snapshot(r)
+            f.add_done_callback(functools.partial(self._wake, r))
         self.changed.set()  # output that arrived before we listened is read at once
 
-    def _wake(self, rank: int, _msg=None) -> None:
+    def _take_snapshot(self, rank: int) -> None:
+        """What the rank wrote before we listened, from ipyparallel's copy."""
+        md = self.metadata(rank)
+        self._snapshot[rank] = {name: md.get(name) for name in ("stdout", "stderr")}
+        for name, text in self._snapshot[rank].items():
+            if text:
+                self._text[rank][name].append(text)
+
+    def _on_message(self, rank: int, msg: dict) -> None:
+        with self._dirty_lock:
+            snapshot = self._snapshot.pop(rank, None)
+            content = msg.get("content", {})
+            if msg.get("header", {}).get("msg_type") == "stream":
+                name = content.get("name")
+                # ipyparallel updates its copy before the callbacks run, on one thread: only
+                # the first message after we listened can be in the snapshot already, and
+                # then its copy is still the very string the snapshot took.
+                seen = snapshot is not None and self.metadata(rank).get(name) is snapshot[name]
+                if name in self._text[rank] and not seen:
+                    self._text[rank][name].append(content.get("text", ""))
+            self.dirty.add(rank)
+        self.changed.set()
+
+    def _wake(self, rank: int, _future=None) -> None:
         with self._dirty_lock:
             self.dirty.add(rank)
         self.changed.set()
 
-    def detach(self) -> None:
+    def detach(self, final: bool = False) -> None:
+        """Stop listening to the ranks whose output is complete (all of them when
+        ``final``): output still trailing a reply is shown by ``show(final=True)``."""
         for r, f in self.futures.items():
-            if self._callbacks[r] in f.iopub_callbacks:
+            if (final or f.output.done()) and self._callbacks[r] in f.iopub_callbacks:
                 f.iopub_callbacks.remove(self._callbacks[r])
 
     def done(self, rank: int) -> bool:
@@ -215,19 +254,39 @@ class Cell:
         return self.futures[rank].output.metadata
 
     def show(self, final: bool) -> None:
-        """Print what the ranks wrote since the last call, labeled."""
-        with self._dirty_lock:  # taken before reading: a message arriving now marks it again
+        """Print what the ranks wrote since the last call, labeled; refresh live lines."""
+        if final:
+            self.detach(final=True)  # before taking the text: nothing comes in after
+        with self._dirty_lock:  # a message arriving after this is shown next time
             ranks = self.targets if final else sorted(self.dirty)
             self.dirty = set()
-        mds = {r: self.metadata(r) for r in ranks}
-        out = self.labeler.feed("stdout", {r: md["stdout"] for r, md in mds.items()}, final)
-        err = self.labeler.feed("stderr", {r: md["stderr"] for r, md in mds.items()}, final)
-        self.printer.out(out)
-        self.printer.err(err)
-        for r, md in mds.items():
-            for output in md["outputs"][self.shown[r] :]:
+            new = {name: {r: self._take(r, name) for r in ranks} for name in ("stdout", "stderr")}
+        self.printer.out(self.labeler.feed("stdout", new["stdout"], final))
+        self.printer.err(self.labeler.feed("stderr", new["stderr"], final))
+        self._show_live(final)
+        for r in ranks:
+            outputs = self.metadata(r)["outputs"]
+            for output in outputs[self.shown[r] :]:
                 self.printer.display(rank_label([r]), output)
-            self.shown[r] = len(md["outputs"])
+            self.shown[r] = len(outputs)
+
+    def _take(self, rank: int, name: str) -> str:
+        pieces = self._text[rank][name]
+        self._text[rank][name] = []
+        return "".join(pieces)
+
+    def _show_live(self, final: bool) -> None:
+        """Progress lines (rewritten with \\r) in one display updated in place, a line per
+        rank; emptied when the cell ends (their last state is in the stream by then)."""
+        live = getattr(self.printer, "live", None)
+        text = "" if final else self.labeler.live()
+        now = time.monotonic()
+        if live is None or text == self._live_text:
+            return
+        if not final and now - self._live_at < self.LIVE_EVERY_S:
+            return
+        self._live_at, self._live_text = now, text
+        live(text)
 
 
 def follow(s, cell: Cell, watch: WaitWatch) -> None:
@@ -405,7 +464,8 @@ class Background:
 
 
 class Printer(Protocol):
-    """Where a cell's labeled output goes."""
+    """Where a cell's labeled output goes. A printer may also have ``live(text)``: lines
+    shown in place of the previous call's (progress lines, see ``Cell._show_live``)."""
 
     def out(self, text: str) -> None: ...
     def err(self, text: str) -> None: ...
@@ -418,6 +478,7 @@ class TextPrinter:
 
     def __init__(self, echo: bool):
         self.echo = echo
+        self._live = None  # the display of this cell's progress lines, once there are some
 
     def out(self, text: str) -> None:
         if self.echo and text:
@@ -446,6 +507,21 @@ class TextPrinter:
             return display({"text/plain": text}, raw=True, display_id=True)
         handle.update({"text/plain": text}, raw=True)
         return handle
+
+    def live(self, text: str) -> None:
+        """Show ``text`` in place of what the last call showed (a notebook display with an
+        id, updated; outside a kernel nothing: the final lines still come on the stream)."""
+        if not self.echo:
+            return
+        bundle = {"text/plain": text}
+        if self._live is not None:
+            self._live.update(bundle, raw=True)
+            return
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if text and getattr(get_ipython(), "kernel", None) is not None:
+            self._live = display(bundle, raw=True, display_id=True)
 
     def display(self, label: str, output: dict) -> None:
         if not self.echo:

@@ -1,9 +1,11 @@
 """Turn what the ranks print into labeled notebook output. Pure: text in, text out.
 
-Ranks' stdout/stderr arrive as ever-growing strings (ipyparallel keeps the whole stream in
-each result's metadata). :class:`StreamLabeler` remembers how much of each it has shown and
-hands back only new, complete lines, each prefixed with its rank, capped per rank so that a
-rank printing a million lines cannot freeze the notebook.
+Ranks' stdout/stderr arrive as pieces (one per iopub message). :class:`StreamLabeler` keeps
+each rank's unfinished line and hands back only complete lines, each prefixed with its rank,
+capped per rank so that a rank printing a million lines cannot freeze the notebook. A line
+rewritten with carriage returns (``\r``: progress lines, tqdm's text bar) is a *live* line:
+``live()`` gives each rank's current one, for a display updated in place, and only its final
+state becomes a line of the stream.
 """
 
 from __future__ import annotations
@@ -17,36 +19,85 @@ DEFAULT_MAX_LINES = 2000
 
 
 @dataclass
+class OpenLine:
+    """A line not ended by a newline yet, as Jupyter shows one process's stream: text after
+    a carriage return replaces the line (a bare ``\r`` at the end waits for that text)."""
+
+    text: str = ""
+    returned: bool = False  # a \r came: the next text starts the line afresh
+    live: bool = False  # it was rewritten at least once (a progress line)
+
+    def write(self, chunk: str) -> None:
+        """Add text holding no newline."""
+        for i, part in enumerate(chunk.split("\r")):
+            if i:
+                self.returned = self.live = True
+            if not part:
+                continue
+            if self.returned:
+                self.text, self.returned = part, False
+            else:
+                self.text += part
+
+
+def settle(text: str) -> str:
+    """``text`` with each line's carriage returns applied: what a reader sees at the end."""
+    lines = []
+    for raw in text.split("\n"):
+        line = OpenLine()
+        line.write(raw)
+        lines.append(line.text)
+    return "\n".join(lines)
+
+
+@dataclass
 class StreamLabeler:
     """Incremental, per-rank line labeling for one cell."""
 
     collapse: bool = False  # show identical chunks from several ranks once
     max_lines: int = DEFAULT_MAX_LINES  # per rank and stream, per cell
-    _consumed: dict = field(default_factory=dict)  # (rank, stream) -> chars consumed
-    _partial: dict = field(default_factory=dict)  # (rank, stream) -> unfinished line
+    _open: dict = field(default_factory=dict)  # (rank, stream) -> OpenLine
     _lines: dict = field(default_factory=dict)  # (rank, stream) -> lines shown
     capped: set = field(default_factory=set)  # (rank, stream) that hit max_lines
 
-    def feed(self, stream: str, texts: dict[int, str], final: bool = False) -> str:
-        """Given each rank's whole stream so far, return the labeled text not shown yet.
-
-        ``final`` flushes unfinished last lines (the cell is over)."""
+    def feed(self, stream: str, new: dict[int, str], final: bool = False) -> str:
+        """Given the text each rank wrote since the last call, return the labeled complete
+        lines not shown yet. ``final`` also ends unfinished lines (the cell is over); give
+        it every rank then, with "" for those that wrote nothing new."""
         fresh: dict[int, str] = {}
-        for rank in sorted(texts):
+        for rank in sorted(new):
             key = (rank, stream)
-            text = texts[rank] or ""
-            new = self._partial.get(key, "") + text[self._consumed.get(key, 0) :]
-            self._consumed[key] = len(text)
-            if final:
-                complete, rest = new, ""
-            else:
-                cut = new.rfind("\n") + 1
-                complete, rest = new[:cut], new[cut:]
-            self._partial[key] = rest
-            complete = self._cap(key, complete)
+            done = self._complete_lines(key, new[rank] or "")
+            line = self._open.get(key)
+            if final and line is not None:
+                if line.text:
+                    done.append(line.text)
+                del self._open[key]
+            complete = self._cap(key, "".join(f"{t}\n" for t in done))
             if complete:
                 fresh[rank] = complete
         return self._label(fresh)
+
+    def live(self) -> str:
+        """The unfinished lines being rewritten in place (progress lines), labeled, one per
+        rank and stream: what a display updated in place shows while the cell runs."""
+        current = {}
+        for (rank, stream), line in sorted(self._open.items()):
+            if line.live and line.text and (rank, stream) not in self.capped:
+                current[rank] = current.get(rank, "") + line.text + "\n"
+        return self._label(current)
+
+    def _complete_lines(self, key: tuple, text: str) -> list[str]:
+        """Write ``text`` into the rank's open line; return the lines it ended."""
+        parts = text.split("\n")
+        done = []
+        for part in parts[:-1]:
+            line = self._open.pop(key, None) or OpenLine()
+            line.write(part)
+            done.append(line.text)
+        if parts[-1]:
+            self._open.setdefault(key, OpenLine()).write(parts[-1])
+        return done
 
     def _cap(self, key: tuple, text: str) -> str:
         if not text or key in self.capped:

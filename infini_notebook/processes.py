@@ -15,7 +15,7 @@ import warnings
 
 import psutil
 
-from . import engine, supervision
+from . import engine, internals, supervision
 from .errors import DistCellError, DistUsageError
 from .output import error_report, error_summary, one_line, remote_traceback
 from .plan import LOOPBACK, SessionPlan, is_loopback
@@ -25,6 +25,8 @@ log = logging.getLogger("infini_notebook")
 
 DIGEST_HISTORY = 2**14
 HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
+# private: ipyparallel's own requests (queue_status, purge_hub_results) can wait for ever
+_QUERY_PARTS = ("_send", "_query_stream")
 
 
 def start_store(s) -> None:
@@ -167,6 +169,7 @@ def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_
         client = s._client
         if client is None:
             raise ControllerGone(msg_type)
+        internals.require(client, _QUERY_PARTS, "ipyparallel", "Client: controller requests")
         future = client._send(client._query_stream, msg_type, content=content)
     try:
         reply = future.result(timeout=timeout)

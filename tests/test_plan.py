@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infini_notebook.errors import DistUsageError
-from infini_notebook.output import StreamLabeler, error_report, error_summary, group_identical
+from infini_notebook.output import (
+    StreamLabeler,
+    error_report,
+    error_summary,
+    group_identical,
+    settle,
+)
 from infini_notebook.plan import is_loopback, make_plan, parse_init_method
 from infini_notebook.ranks import format_ranks, parse_ranks, rank_label
 
@@ -171,8 +177,29 @@ def test_labels():
 def test_labeler_emits_only_complete_new_lines():
     lab = StreamLabeler()
     assert lab.feed("stdout", {0: "a\nb", 1: ""}) == "[rank 0] a\n"
-    assert lab.feed("stdout", {0: "a\nbc\n", 1: "x\n"}) == "[rank 0] bc\n[rank 1] x\n"
-    assert lab.feed("stdout", {0: "a\nbc\ntail", 1: "x\n"}, final=True) == "[rank 0] tail\n"
+    assert lab.feed("stdout", {0: "c\n", 1: "x\n"}) == "[rank 0] bc\n[rank 1] x\n"
+    assert lab.feed("stdout", {0: "tail", 1: ""}, final=True) == "[rank 0] tail\n"
+
+
+def test_carriage_returns_replace_the_line_and_only_its_last_state_is_kept():
+    lab = StreamLabeler()
+    # a progress line in pieces as iopub batches them: one piece may end mid-update
+    assert lab.feed("stderr", {0: "\r 10%|#", 1: "\rstep 0"}) == ""
+    assert lab.live() == "[rank 0]  10%|#\n[rank 1] step 0\n"
+    assert lab.feed("stderr", {0: "  |\r 50%|#####|\r", 1: "\rstep 1\rstep 2"}) == ""
+    assert lab.live() == "[rank 0]  50%|#####|\n[rank 1] step 2\n"  # a bare \r waits
+    out = lab.feed("stderr", {0: "\r100%|##########|\n", 1: " done\n"})
+    assert out == "[rank 0] 100%|##########|\n[rank 1] step 2 done\n"
+    assert lab.live() == ""  # ended lines leave the live display
+    assert lab.feed("stderr", {0: "abc\r\n", 1: "x\ry"}, final=True) == (
+        "[rank 0] abc\n[rank 1] y\n"
+    )
+
+
+def test_plain_unfinished_lines_are_not_live():
+    lab = StreamLabeler()
+    assert lab.feed("stdout", {0: "no newline yet"}) == "" and lab.live() == ""
+    assert settle("a\rb\nc\r\nd\re") == "b\nc\ne"
 
 
 def test_collapse_groups_identical_text():
@@ -186,7 +213,7 @@ def test_flood_is_capped_with_a_note():
     out = lab.feed("stdout", {1: "".join(f"{i}\n" for i in range(1000))})
     assert out.count("[rank 1]") == 4 and "capped at 3 lines" in out
     assert "session.last.stdout[1]" in out
-    assert lab.feed("stdout", {1: "".join(f"{i}\n" for i in range(2000))}) == ""
+    assert lab.feed("stdout", {1: "".join(f"{i}\n" for i in range(1000, 2000))}) == ""
 
 
 def test_identical_tracebacks_are_shown_once():

@@ -56,7 +56,8 @@ class OutputPrinter:
 class Progress:
     """A progress bar drawn as a display updated in place (display_id): live while work
     runs, and a saved notebook keeps its last state (a saved widget reads '0%').
-    Call it as ``progress(done, total, what)``; outside a kernel it stays silent."""
+    Call it as ``progress(done, total, what)``; outside a kernel it stays silent. Nothing
+    is drawn before the first call, so work refused up front (bad flags) draws no bar."""
 
     WIDTH = 30
 
@@ -66,14 +67,17 @@ class Progress:
         self._shown_at = 0.0
         self._handle = None
         self._state = (0, 0, "")
-        if in_kernel():
-            from IPython.display import display
-
-            self._handle = display(self._bundle(), raw=True, display_id=True)
+        self._drawn = not in_kernel()  # outside a kernel: never drawn
 
     def __call__(self, done: int, total: int, what: str = "") -> None:
         self._state = (done, total, what)
         now = time.monotonic()
+        if not self._drawn:
+            from IPython.display import display
+
+            self._drawn, self._shown_at = True, now
+            self._handle = display(self._bundle(), raw=True, display_id=True)
+            return
         if self._handle is None or (now - self._shown_at < 0.1 and done < total):
             return
         self._shown_at = now
