@@ -16,7 +16,7 @@ from .ranks import rank_label
 log = logging.getLogger("infini_notebook")
 
 GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left the cell
-HANG_AFTER_S = 2.0  # a cell this old with nobody gone shows where its ranks wait
+HANG_AFTER_S = 2.0  # a rank in the same wait this long, nobody gone: show where ranks wait
 HANG_POLL_S = 1.0
 RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
 LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
@@ -38,8 +38,9 @@ class WaitWatch:
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
+        self.since: dict[int, tuple] = {}  # rank -> (its wait, first seen) for a hang
         self.started = time.monotonic()
-        self.next_ask = self.started + HANG_AFTER_S
+        self.next_ask = self.started + HANG_POLL_S
         self.hang_shown = ""
         self._handle = None
 
@@ -138,6 +139,15 @@ class WaitWatch:
             end_groups(self.s, sorted(new), sorted(blocked), self.gone)
 
     def _show_hang(self, found: dict, now: float) -> None:
+        """Shown once a rank has been in the same wait (call, group, number) HANG_AFTER_S:
+        a cell that moves from collective to collective, however slowly, shows nothing."""
+        for r, wait in found.items():
+            key = repr(sorted(wait.items())) if wait else None
+            if self.since.get(r, (None,))[0] != key:
+                self.since[r] = (key, now)
+        stale = [r for r, w in found.items() if w and now - self.since[r][1] >= HANG_AFTER_S]
+        if not stale and self._handle is None:
+            return
         waited = now - self.started
         text = f"waiting {waited:.0f} s: {waits.verdict(found, self.cell_name)}"
         self.hang_shown = text
