@@ -53,8 +53,8 @@ def current_wait() -> dict | None:
         if any(mark in code.co_filename for mark in _CELL_FILE_MARKS):
             cell.append(frame)
         frame = frame.f_back
-    if call is None:
-        return None
+    if call is None:  # NCCL returns at once; the cell then blocks in a sync (x.item())
+        return _pending_in_flight_recorder()
     wait = _describe_call(call)
     if cell:  # innermost cell frame: the user's line; outermost: the running cell itself
         wait["line"] = cell[0].f_lineno
@@ -134,6 +134,35 @@ def tcp_links() -> list[list]:
 
 def _host(ip: str) -> str:
     return ip.removeprefix("::ffff:")  # an IPv4 peer seen through an IPv6 socket
+
+
+def _pending_in_flight_recorder() -> dict | None:
+    """The oldest collective the Flight Recorder holds as not completed (NCCL records
+    each work's state; gloo's entries stay 'scheduled', so this is for NCCL only)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+        return None
+    try:
+        import torch
+
+        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
+    except Exception:
+        return None
+    pending = [e for e in dump.get("entries", []) if e.get("state") in ("scheduled", "started")]
+    if not pending:
+        return None
+    entry = min(pending, key=lambda e: e.get("record_id", 0))
+    name, desc = (entry.get("process_group") or ["", ""])[:2]
+    config = dump.get("pg_config", {}).get(name, {})
+    try:
+        ranks = json.loads(config.get("ranks", "[]"))
+    except ValueError:
+        ranks = []
+    label = "world" if desc == "default_pg" else desc.removeprefix("inb_") or name
+    op = str(entry.get("profiling_name", "?")).split(":")[-1]
+    return {"op": op, "group": label, "ranks": ranks, "peer": None,
+            "seq": entry.get("collective_seq_id")}  # fmt: skip
 
 
 def release_groups(peer_links: list[list] | None = None) -> str:

@@ -134,3 +134,31 @@ def test_one_gpu_check_finds_a_corrupted_element_and_status_counts_device_memory
         assert int(used) > 100 << 20, used
     finally:
         kernel.run("%dist_stop", allow_error=True)
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs")
+def test_nccl_wait_on_a_failed_rank_is_aborted_and_the_rank_survives(kernel):
+    """Issue 18 on NCCL: rank 0 raises while rank 1 waits in an all_reduce. The release
+    aborts the communicators; with TORCH_NCCL_ASYNC_ERROR_HANDLING (set on the engines) the
+    aborted wait raises in the cell instead of ending the process, and the groups are
+    rebuilt, so the next cell works with the variables kept."""
+    kernel.run("%dist_start --gpus 2 --timeout 120", timeout=300)
+    try:
+        kernel.run("%%dist\nkeep = rank + 10")
+        t0 = time.perf_counter()
+        cell = kernel.run(
+            "%%dist\nx = torch.ones(1, device=device)\nif rank == 0:\n"
+            "    raise RuntimeError('rank 0 bails out')\ndist.all_reduce(x)\nx.item()",
+            allow_error=True,
+            timeout=200,
+        )
+        took = time.perf_counter() - t0
+        err = "\n".join("\n".join(o.traceback) for o in cell.outputs if o.output_type == "error")
+        assert took < 30, took  # not the 120 s timeout
+        assert "rank 1 was waiting for rank 0 in all_reduce" in err and "released" in err
+        assert "died" not in err  # the aborted rank raised; its process lives on
+        out = text_of(kernel.run("%%dist\ny = torch.ones(1, device=device)\n"
+                                 "dist.all_reduce(y)\nprint(y.item(), keep)"))  # fmt: skip
+        assert "[rank 0] 2.0 10" in out and "[rank 1] 2.0 11" in out
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
