@@ -17,10 +17,10 @@ CELLS = [
     | failure | what the cell says | recovery |
     |---|---|---|
     | exception on one rank | that rank's traceback, labeled | none needed |
-    | a rank fails, the others wait for it | its traceback at once; who waited for whom: released | none: groups rebuilt by themselves |
-    | hung collective, nobody failed | where each rank waits, live; the timeout ends it | `%dist_restart` |
+    | a rank fails, others wait | its traceback at once; the waits released | none: groups rebuilt |
+    | hung collective, no failure | where each rank waits, live; timeout ends it | `%dist_restart` |
     | you press stop | SIGINT to every rank; ranks stuck in C named, with stacks | see section 5 |
-    | a rank dies | the rank and its exit code or signal; waiting peers released | `%dist_restart --hard` |
+    | a rank dies | the rank, its exit code or signal; peers released | `%dist_restart --hard` |
 
     Cells that fail on purpose carry the tag `raises-exception`, so *Run All* goes on past
     them. About ten minutes, on 4 CPU ranks; on GPUs start with `--gpus 4` instead.
