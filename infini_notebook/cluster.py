@@ -114,28 +114,19 @@ class Session:
         self.running = False
         self._busy: set[int] = set()
         self._errored: set[int] = set()
-        self._pids: dict[int, psutil.Process] = {}
         self._store = None
         self._keys = None  # the session's keys in _store (see processes.start_store)
-        self._cluster = None
-        self._client = None
         self._workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # Engines on another host find no such file in their copy of this folder (see
         # engine.remove_remote_copy); on this host they do.
         open(os.path.join(self._workdir, KERNEL_MARK), "w").close()
         self._created = time.time()  # no process of ours is older
         self._lock = threading.Lock()
-        # ipyparallel's Client is not thread-safe, and the foreground cell, a --background
-        # cell's thread and the status widget's poller all use it: every call holds this.
-        self._client_lock = threading.RLock()
+        self.engines = processes.Engines()  # controller, client and its lock, engine processes
         self._background: execution.Background | None = None
-        self._unpurged: list[str] = []  # msg ids of finished work, until purged
-        self._hub_purge_queued = False  # a purge of the controller's records is due soon
-        self._eids: list[int] = []  # engine id of each rank (== rank on one host)
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
-        self._loop = None  # the event loop ipyparallel runs on (see processes.in_loop)
         self._watchdog = None
         self._made_init_file = False  # stop() removes a file:// path only if we made it
 
@@ -189,9 +180,9 @@ class Session:
         processes.stop_processes(self)
         processes.remove_remote_folders(self, remote_folders)
         supervision.end_watchdog(self)  # last: it covers a kernel killed while the rest stops
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+        if self.engines.loop is not None:
+            self.engines.loop.call_soon_threadsafe(self.engines.loop.stop)
+            self.engines.loop = None
         self._keys = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
@@ -209,7 +200,7 @@ class Session:
         """Soft: new process groups under a fresh store prefix on the same engines, keeping
         every variable. Hard: new engines (variables are lost). A soft restart that cannot
         work (a rank is dead, or stuck in native code) says so and names --hard."""
-        if self._cluster is None:
+        if self.engines.cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
         # A hard restart may end a background cell that was told to stop and did not.
         execution.refuse_beside_background(self, "%dist_restart", unless_interrupted=hard)
@@ -230,7 +221,7 @@ class Session:
                 f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
                 "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
             )
-        with self._client_lock:
+        with self.engines.lock:
             pending = {
                 r: processes.rank_view(self, r).apply_async(
                     engine.reinit_distributed, self.attempt, self._attempt_key
@@ -251,7 +242,7 @@ class Session:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
         processes.stop_engines(self)  # a running controller stays (see ensure_controller)
-        self._pids, self._errored, self._stuck = {}, set(), set()
+        self.engines.pids, self._errored, self._stuck = {}, set(), set()
         try:
             self._launch(progress)
         except KeyboardInterrupt:
@@ -330,7 +321,7 @@ class Session:
         self._require_running()
         execution.refuse_beside_background(self, getattr(fn, "__name__", "call"))
         targets = parse_ranks(ranks, self.world_size)
-        with self._client_lock:
+        with self.engines.lock:
             pending = {r: processes.rank_view(self, r).apply_async(fn, *args) for r in targets}
         execution.set_busy(self, targets, True)
         try:

@@ -48,7 +48,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     if max_lines:
         labeler.max_lines = max_lines
     t0 = time.perf_counter()
-    with s._client_lock:
+    with s.engines.lock:
         ar = processes.ranks_view(s, targets).execute(code, silent=False, block=False)
     cell = Cell(ar, targets, labeler, printer)
     watch = WaitWatch(s, cell, _cell_name())

@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
@@ -27,6 +29,24 @@ DIGEST_HISTORY = 2**14
 HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
 # private: ipyparallel's own requests (queue_status, purge_hub_results) can wait for ever
 _QUERY_PARTS = ("_send", "_query_stream")
+
+
+@dataclass
+class Engines:
+    """The ipyparallel side of a session, changed by this module alone: the controller
+    (``Cluster``), the client and the lock every use of it holds (ipyparallel's Client is not
+    thread-safe, and the foreground cell, a --background cell's thread and the status
+    widget's poller all use it), the event loop ipyparallel runs on (see ``in_loop``), each
+    rank's engine id and local process, and finished work waiting for a purge."""
+
+    cluster: Any = None
+    client: Any = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    loop: Any = None
+    eids: list[int] = field(default_factory=list)  # engine id of each rank
+    pids: dict[int, psutil.Process] = field(default_factory=dict)  # ranks on this host
+    unpurged: list[str] = field(default_factory=list)  # msg ids of finished work
+    purge_queued: bool = False  # a purge of the controller's records is due soon
 
 
 def start_store(s) -> None:
@@ -72,20 +92,20 @@ def start_engines(s, progress: Progress | None) -> None:
     from . import launchers  # imports ipyparallel's launchers
 
     ensure_controller(s)
-    known = set(s._client.ids)  # a hard restart's old engines may linger there a moment
+    known = set(s.engines.client.ids)  # a hard restart's old engines may linger there a moment
     options = launchers.engine_options(s.plan, s._profile_dir)
-    in_loop(s, s._cluster.start_engines(s.world_size, **options))
+    in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
     eids = wait_for_engines(s, progress, known)
-    ar = s._client[eids].apply_async(engine.identity)
+    ar = s.engines.client[eids].apply_async(engine.identity)
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
-    s._eids = launchers.assign_ranks(identities, s.plan)
-    launchers.check_placement([identities[e] for e in s._eids], s.plan)
+    s.engines.eids = launchers.assign_ranks(identities, s.plan)
+    launchers.check_placement([identities[e] for e in s.engines.eids], s.plan)
     # Known from now on, so that a failed bootstrap can stop every engine at once.
-    for r, eid in enumerate(s._eids):
+    for r, eid in enumerate(s.engines.eids):
         proc = own_process(s, identities[eid]["pid"])
         if proc is not None:
-            s._pids[r] = proc
+            s.engines.pids[r] = proc
 
 
 def own_process(s, pid: int) -> psutil.Process | None:
@@ -108,16 +128,16 @@ def start_controller(s) -> None:
 
     from . import launchers
 
-    s._cluster = ipp.Cluster(
+    s.engines.cluster = ipp.Cluster(
         **launchers.cluster_options(s.plan, s._profile_dir),
         log=logging.getLogger("infini_notebook.ipyparallel"),
         shutdown_atexit=True,
     )
-    in_loop(s, s._cluster.start_controller())
-    s._client = in_loop(s, s._cluster.connect_client())
+    in_loop(s, s.engines.cluster.start_controller())
+    s.engines.client = in_loop(s, s.engines.cluster.connect_client())
     # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
     # after some thousand cells. Messages travel on loopback or CurveZMQ.
-    s._client.session.digest_history_size = DIGEST_HISTORY
+    s.engines.client.session.digest_history_size = DIGEST_HISTORY
 
 
 def ensure_controller(s) -> None:
@@ -133,8 +153,8 @@ def controller_running(s) -> bool:
     """By the process itself: the launcher's state lags a kill (its waiting thread notices
     the exit, then the loop runs the callback), and a restart decided on that state once
     kept a dead controller and then started a second one beside its files."""
-    controller = getattr(s._cluster, "controller", None)
-    if s._client is None or getattr(controller, "state", None) != "running":
+    controller = getattr(s.engines.cluster, "controller", None)
+    if s.engines.client is None or getattr(controller, "state", None) != "running":
         return False
     try:
         return controller.process.status() != psutil.STATUS_ZOMBIE
@@ -157,7 +177,7 @@ class ControllerGone(DistUsageError):
 
 
 def require_controller(s, what: str = "") -> None:
-    if s._cluster is not None and not controller_running(s):
+    if s.engines.cluster is not None and not controller_running(s):
         raise ControllerGone(what)
 
 
@@ -165,8 +185,8 @@ def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_
     """One request on the controller's query socket, its reply's content. Sent under the
     client lock, waited for outside it, and never for longer than ``timeout``:
     ipyparallel's own calls (queue_status, purge_results) wait for ever on a dead one."""
-    with s._client_lock:
-        client = s._client
+    with s.engines.lock:
+        client = s.engines.client
         if client is None:
             raise ControllerGone(msg_type)
         internals.require(client, _QUERY_PARTS, "ipyparallel", "Client: controller requests")
@@ -197,10 +217,10 @@ def wait_for_engines(
     """The ids of the world_size engines that registered after ``known`` were there."""
     deadline = time.monotonic() + timeout
     note, asked = "engines up", 0.0
-    while len(new := sorted(set(s._client.ids) - known)) < s.world_size:
+    while len(new := sorted(set(s.engines.client.ids) - known)) < s.world_size:
         if progress:
             progress(len(new), s.world_size, note)
-        stopped = [es for es in s._cluster.engines.values() if es.state == "after"]
+        stopped = [es for es in s.engines.cluster.engines.values() if es.state == "after"]
         if stopped:
             raise EnginesExited(stopped[0])
         if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
@@ -218,7 +238,7 @@ def wait_for_engines(
 def check_batch_job(s) -> str | None:
     """The batch job's state for the progress line (None for other launchers); raises
     DistUsageError when the job will never bring its engines up (see slurm.py)."""
-    for es in s._cluster.engines.values():
+    for es in s.engines.cluster.engines.values():
         if hasattr(es, "start_check"):
             problem, note = es.start_check()
             if problem:
@@ -229,11 +249,11 @@ def check_batch_job(s) -> str | None:
 
 def rank_view(s, rank: int):
     """The ipyparallel view of one rank's engine."""
-    return s._client[s._eids[rank]]
+    return s.engines.client[s.engines.eids[rank]]
 
 
 def ranks_view(s, ranks: list[int]):
-    return s._client[[s._eids[r] for r in ranks]]
+    return s.engines.client[[s.engines.eids[r] for r in ranks]]
 
 
 def in_loop(s, coro, timeout: float = 120):
@@ -242,12 +262,12 @@ def in_loop(s, coro, timeout: float = 120):
     engine's exit code) fire; ``*_sync`` wrappers would leave them on a stopped loop."""
     import asyncio
 
-    if s._loop is None:
-        s._loop = asyncio.new_event_loop()
+    if s.engines.loop is None:
+        s.engines.loop = asyncio.new_event_loop()
         threading.Thread(
-            target=s._loop.run_forever, name="infini-session-loop", daemon=True
+            target=s.engines.loop.run_forever, name="infini-session-loop", daemon=True
         ).start()
-    return asyncio.run_coroutine_threadsafe(coro, s._loop).result(timeout)
+    return asyncio.run_coroutine_threadsafe(coro, s.engines.loop).result(timeout)
 
 
 def engine_config(s, rank: int) -> dict:
@@ -288,7 +308,7 @@ def engine_config(s, rank: int) -> dict:
 
 def bootstrap(s, progress: Progress | None = None) -> None:
     configs = {r: engine_config(s, r) for r in range(s.world_size)}
-    with s._client_lock:
+    with s.engines.lock:
         pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
     failed = wait_for_bootstrap(s, pending, progress)
     if failed is not None:
@@ -352,7 +372,7 @@ def record_ranks(s, infos: dict[int, dict]) -> None:
         info = infos[r]
         proc = own_process(s, info["pid"])  # a remote pid means nothing here (see liveness)
         if proc is not None:
-            s._pids[r] = proc
+            s.engines.pids[r] = proc
         s.ranks.append(
             RankState(
                 rank=r,
@@ -372,7 +392,7 @@ def remote_folder_removers(s) -> list:
     that ipyparallel made on their hosts (profile, connection file, output), once it has
     fetched their output at stop. Taken before the engines stop: their launchers go."""
     senders = {}
-    for engine_set in (s._cluster.engines if s._cluster else {}).values():
+    for engine_set in (s.engines.cluster.engines if s.engines.cluster else {}).values():
         for launcher in getattr(engine_set, "launchers", {}).values():
             if hasattr(launcher, "ssh_sender") and hasattr(launcher, "location"):
                 senders.setdefault(launcher.location, launcher)
@@ -407,42 +427,42 @@ def stop_processes(s) -> None:
     stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
     stop_controller(s)
     supervision.kill_leftovers(s)
-    s._pids = {}
+    s.engines.pids = {}
 
 
 def close_client(s) -> None:
-    with s._client_lock:
-        if s._client is not None:
+    with s.engines.lock:
+        if s.engines.client is not None:
             try:
-                s._client.close()
+                s.engines.client.close()
             except Exception:
                 pass
-            s._client = None
-        s._unpurged = []
+            s.engines.client = None
+        s.engines.unpurged = []
 
 
 def stop_controller(s) -> None:
     """The controller, running or dead, and its connection files (a controller that died
     leaves them; a new one must not meet them). Engines first: see stop_processes."""
     close_client(s)
-    if s._cluster is None:
+    if s.engines.cluster is None:
         return
     try:
-        in_loop(s, s._cluster.stop_controller())
+        in_loop(s, s.engines.cluster.stop_controller())
     except Exception as e:
         log.warning("stopping the controller: %s", e)
     security = os.path.join(s._profile_dir, "security")
-    for path in glob.glob(os.path.join(security, f"ipcontroller-{s._cluster.cluster_id}-*")):
+    for path in glob.glob(os.path.join(security, f"ipcontroller-{s.engines.cluster.cluster_id}-*")):
         remove_quietly(path)
-    s._cluster = None
+    s.engines.cluster = None
 
 
 def stop_engines(s) -> None:
     """The engines only: a hard restart keeps the controller and the client."""
     engines = supervision.kill_engines(s)  # see supervision.kill_engines
-    if s._cluster is not None:
+    if s.engines.cluster is not None:
         try:
-            in_loop(s, s._cluster.stop_engines())
+            in_loop(s, s.engines.cluster.stop_engines())
         except Exception as e:
             log.warning("stopping the engines: %s", e)
     psutil.wait_procs(engines, timeout=5)
@@ -529,21 +549,21 @@ def forget(s, msg_ids: list[str]) -> None:
     """Drop what ipyparallel keeps of finished work: the client's results, metadata and
     history now, the controller's records soon after (see ``purge_hub``). Work still
     running (a rank that ignored an interrupt) is dropped once it ends."""
-    with s._client_lock:
-        client = s._client
+    with s.engines.lock:
+        client = s.engines.client
         if client is None:
             return
-        s._unpurged.extend(msg_ids)
+        s.engines.unpurged.extend(msg_ids)
         outstanding = client.outstanding  # a traitlet: slow to read once per message
-        done = {m for m in s._unpurged if m not in outstanding}
-        s._unpurged = [m for m in s._unpurged if m not in done]
+        done = {m for m in s.engines.unpurged if m not in outstanding}
+        s.engines.unpurged = [m for m in s.engines.unpurged if m not in done]
         if done:  # an empty list is refused by ipyparallel
             client.purge_local_results(jobs=list(done))
         client.history = [m for m in client.history if m not in done]
-        if s._hub_purge_queued or s._loop is None:
+        if s.engines.purge_queued or s.engines.loop is None:
             return
-        s._hub_purge_queued = True
-    s._loop.call_soon_threadsafe(s._loop.call_later, HUB_PURGE_DELAY_S, purge_hub, s)
+        s.engines.purge_queued = True
+    s.engines.loop.call_soon_threadsafe(s.engines.loop.call_later, HUB_PURGE_DELAY_S, purge_hub, s)
 
 
 def purge_hub(s) -> None:
@@ -551,7 +571,7 @@ def purge_hub(s) -> None:
     as a pulled tensor). On the session's loop thread, at most once per
     HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
     the controller counts a task finished a little after the client does."""
-    s._hub_purge_queued = False
+    s.engines.purge_queued = False
     try:
         ask_controller(s, "purge_request", {"engine_ids": [], "msg_ids": "all"})
     except Exception as e:

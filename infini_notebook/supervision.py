@@ -65,7 +65,7 @@ def stuck_ranks(s) -> list[int]:
     from .processes import queue_status
 
     status = queue_status(s)
-    return [r for r in range(s.world_size) if status.get(s._eids[r], {}).get("queue", 0) > 0]
+    return [r for r in range(s.world_size) if status.get(s.engines.eids[r], {}).get("queue", 0) > 0]
 
 
 def stacks(s, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
@@ -134,7 +134,9 @@ def signal_stacks(s, ranks: list[int], wait: float) -> dict[int, str]:
     holding the GIL: faulthandler dumps them from its signal handler into a file (see
     rank_services.install_signal_dump). Only to ranks that installed the handler: the
     signal's default would end the process."""
-    paths = {r: stack_file(s, r) for r in ranks if r in s._pids and _alive(s._pids[r])}
+    paths = {
+        r: stack_file(s, r) for r in ranks if r in s.engines.pids and _alive(s.engines.pids[r])
+    }
     sizes = {r: _size(p) for r, p in paths.items() if p}
     sizes = {r: size for r, size in sizes.items() if size}  # 0: no handler (yet)
     send_signal(s, engine.STACK_SIGNAL, list(sizes))
@@ -173,7 +175,7 @@ def kill_engines(s) -> list[psutil.Process]:
     then spends about a second of CPU finalizing torch for nothing (it exits with status
     1 anyway): stop took 11.6 s at 16 ranks. Only the pids we recorded, checked by start
     time (a recycled pid is safe)."""
-    procs = list(s._pids.values())
+    procs = list(s.engines.pids.values())
     for proc in procs:
         try:
             proc.kill()
@@ -188,7 +190,7 @@ def kill_leftovers(s) -> None:
     never touched) and whatever else carries this session's mark."""
     from .watchdog import end_all, session_processes
 
-    procs = {p.pid: p for p in s._pids.values()}
+    procs = {p.pid: p for p in s.engines.pids.values()}
     procs.update({p.pid: p for p in session_processes(s._profile_dir, s._created)})
     end_all(list(procs.values()), grace=0)
 
@@ -199,7 +201,7 @@ def dead_ranks(s, targets) -> dict[int, str]:
     for r in targets:
         if alive(r):
             continue
-        proc = s._pids.get(r)
+        proc = s.engines.pids.get(r)
         dead[r] = (
             exit_description(exit_code(s, proc)) if proc is not None else "its engine unregistered"
         )
@@ -214,14 +216,14 @@ def liveness(s) -> Callable[[int], bool]:
 
     def alive(r: int) -> bool:
         nonlocal registered
-        proc = s._pids.get(r)
+        proc = s.engines.pids.get(r)
         if proc is not None:
             return _alive(proc)
         if registered is None:
-            with s._client_lock:
-                client = s._client
+            with s.engines.lock:
+                client = s.engines.client
                 registered = set(client.ids) if client is not None else set()
-        return bool(s._eids) and s._eids[r] in registered
+        return bool(s.engines.eids) and s.engines.eids[r] in registered
 
     return alive
 
@@ -231,7 +233,7 @@ def exit_code(s, proc: psutil.Process) -> int | None:
     reaps the child, so only it can know). Negative: killed by that signal."""
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
-        for engine_set in (s._cluster.engines if s._cluster else {}).values():
+        for engine_set in (s.engines.cluster.engines if s.engines.cluster else {}).values():
             for data in (engine_set.stop_data or {}).get("engines", {}).values():
                 if data.get("pid") == proc.pid:
                     return data.get("exit_code")
@@ -243,18 +245,18 @@ def send_signal(s, signum: int, ranks: list[int] | None = None) -> None:
     """Send ``signum`` to the engines of ``ranks`` (pids this session started)."""
     remote = []
     for r in ranks if ranks is not None else range(s.world_size):
-        proc = s._pids.get(r)
+        proc = s.engines.pids.get(r)
         if proc is None:
-            remote.append(s._eids[r])
+            remote.append(s.engines.eids[r])
             continue
         try:
             if proc.is_running():
                 proc.send_signal(signum)
         except psutil.Error:
             pass
-    with s._client_lock:
-        if remote and s._client is not None:  # through each engine's nanny
-            s._client.send_signal(signum, targets=remote, block=False)
+    with s.engines.lock:
+        if remote and s.engines.client is not None:  # through each engine's nanny
+            s.engines.client.send_signal(signum, targets=remote, block=False)
 
 
 def status(s) -> list[RankState]:
@@ -267,7 +269,7 @@ def status(s) -> list[RankState]:
     for rs in s.ranks:
         for name, value in telemetry.get(rs.rank, {}).items():
             setattr(rs, name, value)
-        proc = s._pids.get(rs.rank)
+        proc = s.engines.pids.get(rs.rank)
         if not s.running:
             rs.state = "stopped"
         elif not alive(rs.rank):

@@ -177,7 +177,7 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
         others = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
         answers = supervision.ask(s, others, "links", ASK_WAIT_S)
         links = [link for text in answers.values() for link in json.loads(text)]
-        with s._client_lock:
+        with s.engines.lock:
             ar = processes.ranks_view(s, ending).apply_async(wait_probe.release_groups, links)
         try:
             log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))

@@ -65,7 +65,7 @@ def test_one_rank_failing_at_start_stops_the_others_and_reports_it_at_once(kerne
 
 KILL_CONTROLLER = (
     "import psutil\nfrom infini_notebook import cluster as _c\n"
-    "psutil.Process(_c.current()._cluster.controller.process.pid).kill()"
+    "psutil.Process(_c.current().engines.cluster.controller.process.pid).kill()"
 )
 GONE = "controller"  # what every refusal names
 

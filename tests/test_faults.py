@@ -241,17 +241,17 @@ def test_hard_restart_brings_back_a_controller_that_died(kernel):
     # exit: a restart that went by the launcher's state met a controller that was "running".
     kernel.run(
         "import psutil\nfrom infini_notebook import cluster as _c\n"
-        "psutil.Process(_c.current()._cluster.controller.process.pid).kill()\n"
+        "psutil.Process(_c.current().engines.cluster.controller.process.pid).kill()\n"
         "get_ipython().run_line_magic('dist_restart', '--hard')",
         timeout=180,
     )
     out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
-    alive = text_of(kernel.run("print(_c.current()._cluster.controller.state)"))
+    alive = text_of(kernel.run("print(_c.current().engines.cluster.controller.state)"))
     assert alive.strip() == "running"
     files = text_of(  # the dead controller's connection files are gone with it
         kernel.run(
-            "import glob\nprint(len(glob.glob(_c.current()._cluster.profile_dir"
+            "import glob\nprint(len(glob.glob(_c.current().engines.cluster.profile_dir"
             " + '/security/ipcontroller-*-client.json')))"
         )
     )
@@ -289,7 +289,7 @@ def test_everything_listens_on_loopback(kernel):
 # must not run what it sends; with the right key both work (so the refusals are not noise).
 FORGE = """\
 import glob, json, os, ipyparallel as ipp
-path, = glob.glob(f"{dist_session._cluster.profile_dir}/security/ipcontroller-*-client.json")
+path, = glob.glob(f"{dist_session.engines.cluster.profile_dir}/security/ipcontroller-*-client.json")
 info = json.load(open(path))
 print("scheme", info["signature_scheme"], "key set", bool(info["key"]))
 try:
