@@ -388,6 +388,11 @@ class Session:
         """Each rank's pid, device and state (idle, busy, error, dead, stuck, stopped)."""
         return supervision.status(self)
 
+    def template_rss(self) -> int | None:
+        """The warm template's resident memory while it runs (engines fork from it), else
+        None. Its pages are shared with every engine forked from it until one writes them."""
+        return processes.template_rss(self)
+
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return (

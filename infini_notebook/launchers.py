@@ -35,12 +35,21 @@ REMOTE_ENGINE_ARGS = ["--IPEngine.auto_create=True"]
 IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 
 
+TEMPLATE_LAUNCHER = "infini_notebook.template_launcher.TemplateEngineSetLauncher"
+
+
+def template_socket(profile_dir: str) -> str:
+    """Where the session's warm template listens (see template.py): its folder."""
+    return os.path.join(os.path.dirname(profile_dir), "template.sock")
+
+
 def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
+    launcher = LAUNCHER_CLASSES[plan.placement.launcher]
     opts = {
         "n": plan.world_size,
         "profile_dir": profile_dir,
         "controller_ip": plan.bind_address,
-        "engine_launcher_class": LAUNCHER_CLASSES[plan.placement.launcher],
+        "engine_launcher_class": launcher if plan.template_off else TEMPLATE_LAUNCHER,
         "delay": 0,  # engines wait for the controller's connection info anyway
         "controller_args": list(HEARTBEAT),
     }

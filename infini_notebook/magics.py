@@ -58,7 +58,10 @@ class DistMagics(Magics):
         options.ssh_args = _unquote(options.ssh_args)
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
-        print(f"{session.world_size} ranks ready ({session.plan.backend}). Use %%dist to run code.")
+        print(
+            f"{session.world_size} ranks ready ({session.plan.backend}; {session.engines.how}). "
+            "Use %%dist to run code."
+        )
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")

@@ -44,6 +44,12 @@ class StartOptions:
     env: list[str] | None = _opt(action="append", help="NAME=VALUE for every rank (repeatable)")
     ssh_args: str | None = _opt(help="extra ssh options, quoted: '-i key -p 2222'")
     remote_python: str | None = _opt(help="python on the hosts (default: this kernel's)")
+    no_template: bool = _opt(
+        False,
+        action="store_true",
+        help="start each engine as a new process instead of forking it from a warm "
+        "template that has imported torch once (the default for the local launcher on Linux)",
+    )
 
     @classmethod
     def from_args(cls, args) -> StartOptions:

@@ -7,7 +7,8 @@ GPUs are visible), so every refusal is unit-testable in milliseconds.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
 from .errors import DistUsageError
@@ -97,6 +98,8 @@ class SessionPlan:
     # one that listens on every interface (0.0.0.0) an address of this host they can reach.
     controller_address: str = ""
     store_address: str = ""
+    # Why engines are not forked from a warm template ("": they are; see template.py).
+    template_off: str = ""
 
     @property
     def device_kind(self) -> str:
@@ -189,7 +192,23 @@ def make_plan(
     if options is None:
         options = StartOptions(**keywords, **(layout or {}))
     plan = _make_plan(options, visible_gpus, cpu_count)
+    plan = replace(plan, template_off=template_off(options, plan))
     return with_addresses(plan, host_addresses or [])
+
+
+def template_off(o: StartOptions, plan: SessionPlan, platform: str | None = None) -> str:
+    """Why this plan's engines cannot be forked from a warm template, "" when they can:
+    only the local launcher starts engines on this host, and only Linux forks a process
+    that has imported torch safely (macOS's system libraries are not fork-safe)."""
+    import sys
+
+    if o.no_template:
+        return "--no-template"
+    if plan.placement.launcher != "local":
+        return f"the {plan.placement.launcher} launcher starts the engines"
+    if (platform or sys.platform) != "linux":
+        return f"no safe fork on {platform or sys.platform}"
+    return ""
 
 
 WILDCARDS = ("0.0.0.0", "::")
@@ -197,11 +216,9 @@ WILDCARDS = ("0.0.0.0", "::")
 
 def with_addresses(plan: SessionPlan, host_addresses: list[str]) -> SessionPlan:
     """The plan with the addresses ranks connect to (see ``reachable``)."""
-    import dataclasses
-
     method = plan.init_method
     store_host = method.host if method.kind == "tcp" else plan.bind_address
-    return dataclasses.replace(
+    return replace(
         plan,
         controller_address=reachable(plan, plan.bind_address, host_addresses, "--bind-address"),
         store_address=reachable(plan, store_host, host_addresses, "the host of --init-method"),
@@ -306,7 +323,6 @@ def parse_env(items: list[str] | None) -> tuple[tuple[str, str], ...]:
 def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
     """Plans for ranks started by ssh, mpiexec or Slurm (possibly on other hosts)."""
     import shlex
-    import sys
 
     launcher, hosts, nnodes, gpus_per_node = o.launcher, o.hosts, o.nnodes, o.gpus_per_node
     nprocs, gpus, backend, bind_address = o.nprocs, o.gpus, o.backend, o.bind_address

@@ -47,6 +47,9 @@ class Engines:
     pids: dict[int, psutil.Process] = field(default_factory=dict)  # ranks on this host
     unpurged: list[str] = field(default_factory=list)  # msg ids of finished work
     purge_queued: bool = False  # a purge of the controller's records is due soon
+    template: psutil.Process | None = None  # the warm template engines fork from
+    template_env: dict = field(default_factory=dict)  # the environment it started with
+    how: str = ""  # how the last engines came up (see launch_note)
 
 
 def start_store(s) -> None:
@@ -91,10 +94,14 @@ def start_engines(s, progress: Progress | None) -> None:
     each mapped to its rank."""
     from . import launchers  # imports ipyparallel's launchers
 
+    ensure_template(s)  # first: its imports overlap the controller's start
     ensure_controller(s)
     known = set(s.engines.client.ids)  # a hard restart's old engines may linger there a moment
     options = launchers.engine_options(s.plan, s._profile_dir)
-    in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
+    if not s.plan.template_off:
+        options["template_socket"] = template_ready(s, progress)
+    set_id = in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
+    s.engines.how = launch_note(s, s.engines.cluster.engines[set_id])
     eids = wait_for_engines(s, progress, known)
     ar = s.engines.client[eids].apply_async(engine.identity)
     identities = ar.get_dict(timeout=60)
@@ -106,6 +113,78 @@ def start_engines(s, progress: Progress | None) -> None:
         proc = own_process(s, identities[eid]["pid"])
         if proc is not None:
             s.engines.pids[r] = proc
+
+
+def ensure_template(s) -> None:
+    """Start the warm template (see template.py) unless the plan starts engines the usual
+    way or one already runs: a hard restart forks from the one the first start warmed.
+    The template starts with the engines' environment, so what an interpreter reads as it
+    starts (PYTHONPATH, LD_PRELOAD, an --env of the user's) is what a new engine would
+    read; a kernel whose environment changed since gets a new template."""
+    from . import launchers, template_launcher
+
+    if s.plan.template_off:
+        return
+    env = dict(os.environ, **launchers.engine_env(s.plan))
+    if template_alive(s) and s.engines.template_env == env:
+        return
+    end_template(s)
+    path = launchers.template_socket(s._profile_dir)
+    remove_quietly(path)  # a dead template's: a new one must not be taken as ready
+    s.engines.template = template_launcher.start_template(
+        env, s._profile_dir, path, os.path.join(s._workdir, "template.log")
+    )
+    s.engines.template_env = env
+
+
+def template_alive(s) -> bool:
+    from .template_launcher import alive
+
+    return s.engines.template is not None and alive(s.engines.template)
+
+
+def template_ready(s, progress: Progress | None) -> str:
+    """The template's socket once it listens; "" (engines start the usual way, and
+    ``launch_note`` says why) if it cannot fork: its log's last line is the reason."""
+    from . import launchers, template_launcher
+
+    path = launchers.template_socket(s._profile_dir)
+    if progress:
+        progress(0, s.world_size, "warming the template")
+    try:
+        template_launcher.wait_ready(s.engines.template, path)
+        return path
+    except template_launcher.TemplateUnavailable as e:
+        log.warning("engines start without the template: %s", e)
+        end_template(s)
+        return ""
+
+
+def template_rss(s) -> int | None:
+    try:
+        return s.engines.template.memory_info().rss if template_alive(s) else None
+    except psutil.Error:
+        return None
+
+
+def end_template(s) -> None:
+    if s.engines.template is not None:
+        from .watchdog import end_all
+
+        end_all([s.engines.template], grace=0)
+        s.engines.template = None
+
+
+def launch_note(s, engine_set) -> str:
+    """How the engines came up, for %dist_start's line: forked, or why they were not."""
+    from .template_launcher import FORKED
+
+    if s.plan.template_off:
+        return f"engines started as new processes ({s.plan.template_off})"
+    reasons = sorted({why for why in engine_set.how() if why != FORKED})
+    if not reasons:
+        return "engines " + FORKED
+    return f"engines started as new processes ({'; '.join(reasons)})"
 
 
 def own_process(s, pid: int) -> psutil.Process | None:
@@ -426,6 +505,7 @@ def stop_processes(s) -> None:
     close_client(s)
     stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
     stop_controller(s)
+    end_template(s)
     supervision.kill_leftovers(s)
     s.engines.pids = {}
 

@@ -42,9 +42,10 @@ def test_one_rank_failing_at_start_stops_the_others_and_reports_it_at_once(kerne
     (tmp_path / "sitecustomize.py").write_text(BROKEN_RANK.format(rank=2, mark=mark))
     path = f"{tmp_path}:{os.environ.get('PYTHONPATH', REPO)}"
     # The other ranks wait for rank 2 in init_process_group: before, the start waited out
-    # the 30 s timeout (plus 60 s) for them.
+    # the 30 s timeout (plus 60 s) for them. --no-template: the failure is injected into a
+    # fresh interpreter's import of torch, which engines forked from the template never do.
     cell = kernel.run(
-        f"%dist_start --nprocs 4 --timeout 30 --env PYTHONPATH={path}",
+        f"%dist_start --nprocs 4 --timeout 30 --no-template --env PYTHONPATH={path}",
         allow_error=True,
         timeout=240,
     )

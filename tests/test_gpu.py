@@ -54,7 +54,9 @@ def facts_of(out: str) -> dict[int, dict]:
 
 
 def run_torchrun_style(kernel, gpus: int) -> dict[int, dict]:
-    kernel.run(f"%dist_start --gpus {gpus} --timeout 60", timeout=300)
+    started = text_of(kernel.run(f"%dist_start --gpus {gpus} --timeout 60", timeout=300))
+    # forked from a template that never touched CUDA: each rank initialises its own
+    assert "engines forked from the warm template" in started, started
     try:
         facts = facts_of(text_of(kernel.run(TORCHRUN_STYLE, timeout=120), "stdout"))
         assert "cuda" in text_of(kernel.run("%dist_status"))

@@ -132,8 +132,10 @@ def test_interrupt_stops_the_background_cell_and_then_work_goes_on(two_ranks):
 
 # ----- item 8: no process outlives its kernel ----------------------------------------------------
 def _cmd(p: psutil.Process) -> str:
+    """Its name (an engine forked from the warm template is named ``ipengine``: its command
+    line is the template's) and its command line."""
     try:
-        return " ".join(p.cmdline())
+        return f"{p.name()}: {' '.join(p.cmdline())}"
     except psutil.Error:
         return ""
 
@@ -167,9 +169,8 @@ def _kill_when(cells, source: str, ready) -> tuple[dict[psutil.Process, str], se
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for p in _descendants(cells.kernel_pid):
-            if p not in seen:
-                seen[p] = _cmd(p)
-                marks.add(_mark(p))
+            seen[p] = _cmd(p) or seen.get(p, "")  # a forked engine renames itself
+            marks.add(_mark(p))
         if ready(seen):
             psutil.Process(cells.kernel_pid).kill()
             return seen, marks - {None}
@@ -195,7 +196,11 @@ def _assert_all_gone(seen: dict[psutil.Process, str], marks: set[str], t0, what:
 
 
 def _engines(seen: dict[psutil.Process, str], exclude=()) -> list[psutil.Process]:
-    return [p for p, cmd in seen.items() if "ipyparallel.engine" in cmd and p.pid not in exclude]
+    return [
+        p
+        for p, cmd in seen.items()
+        if ("ipyparallel.engine" in cmd or cmd.startswith("ipengine:")) and p.pid not in exclude
+    ]
 
 
 def test_kernel_killed_while_engines_come_up_leaves_nothing():

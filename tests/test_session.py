@@ -151,16 +151,17 @@ def test_stop_leaves_no_process_running(kernel):
 def test_hard_restart_and_stop_end_every_process_they_started(kernel):
     kernel.run("%dist_stop", allow_error=True)  # whatever an earlier test left running
     kernel.run("%dist_start --nprocs 4", timeout=180)
-    # a hard restart keeps the watchdog and the controller (new engines register with it);
-    # every engine and nanny is new
+    # a hard restart keeps the watchdog, the controller (new engines register with it) and
+    # the warm template (new engines fork from it); every engine and nanny is new
     kept = ("infini_notebook.watchdog", "ipyparallel.controller")
+    template = int(text_of(kernel.run("print(dist_session.engines.template.pid)")))
     before = kernel_children(kernel)
-    first = [p for p in before if not any(k in _cmd(p) for k in kept)]
+    first = [p for p in before if not any(k in _cmd(p) for k in kept) and p.pid != template]
     controller = {p.pid for p in before if "ipyparallel.controller" in _cmd(p)}
     assert len(first) >= 8 and controller  # 4 engines and their nannies
     kernel.run("%dist_restart --hard", timeout=180)
     assert psutil.wait_procs(first, timeout=15)[1] == []
-    assert controller <= {p.pid for p in kernel_children(kernel)}
+    assert controller | {template} <= {p.pid for p in kernel_children(kernel)}
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
     second = kernel_children(kernel)

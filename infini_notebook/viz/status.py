@@ -31,6 +31,8 @@ class StatusSource(Protocol):
 
     def status(self) -> list[RankState]: ...
 
+    def template_rss(self) -> int | None: ...  # optional: the warm template's memory
+
 
 class StatusWidget(widgets.VBox):
     """Live rank tiles for a session: a daemon thread polls ``session.status()`` every
@@ -72,7 +74,8 @@ class StatusWidget(widgets.VBox):
                 self._busy_since.pop(rs.rank, None)
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
-        self.summary.value = f'<div class="infini-title">{esc(status_summary(states))}</div>'
+        summary = status_summary(states, _template_rss(self.session))
+        self.summary.value = f'<div class="infini-title">{esc(summary)}</div>'
         return states
 
     @property
@@ -109,9 +112,15 @@ class StatusWidget(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs) -> dict:
         states = self.session.status()
         bundle = super()._repr_mimebundle_(**kwargs) or {}
-        bundle["text/html"] = status_html(states, self.layout_)
-        bundle["text/plain"] = status_text(states, self.layout_)
+        rss = _template_rss(self.session)
+        bundle["text/html"] = status_html(states, self.layout_, rss)
+        bundle["text/plain"] = status_text(states, self.layout_, rss)
         return bundle
+
+
+def _template_rss(session: StatusSource) -> int | None:
+    rss = getattr(session, "template_rss", None)
+    return rss() if rss is not None else None
 
 
 def _session_layout(session: StatusSource) -> ParallelLayout | None:
@@ -149,11 +158,11 @@ def session_mimebundle(session: StatusSource) -> dict:
     if in_kernel() and session.running:
         bundle = status_widget(session)._repr_mimebundle_()
     else:
-        states = session.status()
+        states, rss = session.status(), _template_rss(session)
         layout = _session_layout(session)
         bundle = {
-            "text/html": status_html(states, layout),
-            "text/plain": status_text(states, layout),
+            "text/html": status_html(states, layout, rss),
+            "text/plain": status_text(states, layout, rss),
         }
     bundle["text/plain"] = f"{header}\n{bundle['text/plain']}"
     return bundle

@@ -84,29 +84,40 @@ def status_tile_html(
     )
 
 
-def status_summary(states: Sequence[RankState]) -> str:
-    """``4 ranks: 2 busy, 2 idle``."""
+def status_summary(states: Sequence[RankState], template_rss: int | None = None) -> str:
+    """``4 ranks: 2 busy, 2 idle``, and the warm template's memory while it runs
+    (``· warm template RSS 310.2 MiB``)."""
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
     order = ["busy", "stuck", "error", "dead", "idle", "stopped"]
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
-    return f"{len(states)} ranks: " + ", ".join(parts)
+    template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
+    return f"{len(states)} ranks: " + ", ".join(parts) + template
 
 
-def status_html(states: Sequence[RankState], layout: ParallelLayout | None = None) -> str:
+def status_html(
+    states: Sequence[RankState],
+    layout: ParallelLayout | None = None,
+    template_rss: int | None = None,
+) -> str:
     tiles = "".join(status_tile_html(rs, layout) for rs in states)
     cols = grid_shape(layout).ncols if layout is not None else 4
     grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
+    summary = status_summary(states, template_rss)
     return (
         f'{CSS}<div class="infini-status"><div class="infini-title">'
-        f'{esc(status_summary(states))}</div><div style="{grid}">{tiles}</div></div>'
+        f'{esc(summary)}</div><div style="{grid}">{tiles}</div></div>'
     )
 
 
-def status_text(states: Sequence[RankState], layout: ParallelLayout | None = None) -> str:
-    rows = [status_summary(states)]
+def status_text(
+    states: Sequence[RankState],
+    layout: ParallelLayout | None = None,
+    template_rss: int | None = None,
+) -> str:
+    rows = [status_summary(states, template_rss)]
     rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
     for rs in states:
         coords = coords_label(rs.coords, layout)

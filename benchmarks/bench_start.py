@@ -1,0 +1,126 @@
+"""Start, hard restart, push/pull and stop, as ratios to what they cannot beat, in one run.
+
+    .venv/bin/python benchmarks/bench_start.py [--ranks 2 4 8 16] [--repeats 2] [--mb 100]
+
+Floors, measured in this run: one ``import torch`` in a fresh interpreter (every rank needs
+torch), and one ``pickle.dumps`` of the pushed tensor. Rows (CPU ranks; the kernel has
+imported torch already, as a notebook that made a tensor has):
+1. start -> first collective (``infini_notebook.start`` + one all_reduce) at each size,
+   engines forked from the warm template and, with ``no_template=True``, started the usual way;
+2. hard restart -> first collective at 4 ranks, both ways;
+3. push of one tensor of ``--mb`` MB to 4 local ranks, pull of 4 such tensors;
+4. stop at the largest size.
+Targets (issue 22): start <= 3x import at 16 ranks and <= 1.5x at 4; hard restart <= 0.5x
+import; push and pull <= 3x pickling; stop <= 1 s at 16 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import subprocess
+import sys
+import time
+
+import torch
+
+import infini_notebook
+
+ALL_REDUCE = "x = torch.ones(4); dist.all_reduce(x); assert x[0] == world_size"
+
+
+def import_torch() -> float:
+    code = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout)
+
+
+def pickling(tensor: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    pickle.dumps(tensor, protocol=5)
+    return time.perf_counter() - t0
+
+
+def start(n: int, template: bool) -> tuple[float, infini_notebook.Session]:
+    t0 = time.perf_counter()
+    session = infini_notebook.start(nprocs=n, no_template=not template)
+    session.run(ALL_REDUCE, echo=False)
+    return time.perf_counter() - t0, session
+
+
+def hard_restart(session) -> float:
+    t0 = time.perf_counter()
+    session.restart(hard=True)
+    session.run(ALL_REDUCE, echo=False)
+    return time.perf_counter() - t0
+
+
+def push_pull(session, tensor: torch.Tensor) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    session.push({"pushed": tensor})
+    push = time.perf_counter() - t0
+    session.run("pulled = pushed + rank", echo=False)
+    t0 = time.perf_counter()
+    session.pull("pulled")
+    return push, time.perf_counter() - t0
+
+
+def stop(session) -> float:
+    t0 = time.perf_counter()
+    session.stop()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--mb", type=int, default=100)
+    args = parser.parse_args()
+    imp = min(import_torch() for _ in range(3))
+    tensor = torch.rand(args.mb * 2**20 // 4)
+    pick = min(pickling(tensor) for _ in range(3))
+    rows, stops = [], []
+    for n in args.ranks:
+        for template in (True, False):
+            starts = []
+            for repeat in range(args.repeats):
+                took, session = start(n, template)
+                starts.append(took)
+                if n == 4 and repeat == 0:
+                    rows += four_ranks(session, template, tensor, imp, pick, args)
+                if n == max(args.ranks) and template:
+                    stops.append(stop(session))
+                session.stop()
+            goal = {16: 3.0, 4: 1.5}.get(n)
+            t = min(starts)
+            rows.append((f"start -> first collective, {n} ranks, {way(template)}", t, imp, goal))
+    rows.append((f"stop, {max(args.ranks)} ranks (template)", min(stops), None, None))
+    print(
+        f"\none import torch: {imp:.2f} s; pickling {args.mb} MB: {pick:.3f} s "
+        f"(best of 3; the rest best of {args.repeats})"
+    )
+    print(f"{'figure':58s} {'s':>6s} {'ratio':>6s}  goal")
+    for what, t, floor, goal in rows:
+        ratio = f"{t / floor:6.2f}" if floor else " " * 6
+        g = f"<= {goal}x" if goal else ("<= 1 s" if what.startswith("stop") else "")
+        print(f"{what:58s} {t:6.2f} {ratio}  {g}")
+
+
+def four_ranks(session, template: bool, tensor, imp: float, pick: float, args) -> list:
+    restart = min(hard_restart(session) for _ in range(args.repeats))
+    push, pull = push_pull(session, tensor)
+    how = way(template)
+    return [
+        (f"hard restart -> first collective, 4 ranks, {how}", restart, imp, 0.5),
+        (f"push {args.mb} MB to 4 ranks, {how} (of pickling)", push, pick, 3.0),
+        (f"pull 4 x {args.mb} MB, {how} (of pickling)", pull, pick, 3.0),
+    ]
+
+
+def way(template: bool) -> str:
+    return "template" if template else "no template"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The warm template: a process that has imported torch, ipyparallel's engine and ours once,
+and forks engines on request, so a rank starts without paying for ``import torch``.
+
+Started by the session as ``python -m infini_notebook.template SOCKET`` with the session's
+mark in its environment (see watchdog.py): the watchdog and ``kill_leftovers`` find it and
+every engine forked from it, whose /proc environment is the template's. It listens on a Unix
+socket in the session folder and answers one JSON line per request:
+
+- ``{"op": "fork", "argv": [...], "env": {...}, "cwd": ..., "output": PATH}``:
+  ``{"pid": N}``, a new session leader that runs ``ipyparallel.engine`` with ``argv``;
+- ``{"op": "wait", "pid": N}``: ``{"exit_code": C}`` once that child ended (negative: the
+  signal that ended it), as ``Popen.returncode`` would say;
+- ``{"op": "nanny", "kwargs": B64_PICKLE, "fifo": PATH, "env": {...}}``: ``{"pid": N}``,
+  ipyparallel's nanny for an engine (what ``ipyparallel.engine.nanny.start_nanny`` starts
+  by Popen), its stdout the FIFO the engine reads, as the pipe Popen would have made;
+- ``{"op": "info"}``: its pid, RSS and whether it may fork.
+
+Forking is safe only from a process with one thread and no CUDA context: the template checks
+both before every fork and refuses otherwise (the kernel then starts engines as usual).
+The session ends it by pid at stop, the watchdog if the kernel dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from functools import partial
+
+READY = "template ready"  # printed once the imports are done and the socket listens
+
+
+def fork_refusal() -> str | None:
+    """Why forking now would be unsafe, None when it is safe."""
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads != 1:
+        return f"the template runs {threads} threads (a forked child would keep their locks)"
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "the template has initialised CUDA (a forked child cannot use it)"
+    return None
+
+
+class Template:
+    def __init__(self, path: str):
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path + ".tmp")
+        self.listener.listen(64)
+        os.rename(path + ".tmp", path)  # the path appears only once it accepts connections
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.buffers: dict[socket.socket, bytes] = {}
+        self.exits: dict[int, int] = {}  # reaped children's exit codes
+        self.waiters: dict[int, list[socket.socket]] = {}  # pid -> connections waiting
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=0.05):
+                if key.fileobj is self.listener:
+                    conn, _ = self.listener.accept()
+                    self.selector.register(conn, selectors.EVENT_READ)
+                    self.buffers[conn] = b""
+                else:
+                    self.read(key.fileobj)
+            self.reap()
+
+    def read(self, conn: socket.socket) -> None:
+        data = conn.recv(1 << 16)
+        if not data:
+            self.drop(conn)
+            return
+        self.buffers[conn] += data
+        while b"\n" in self.buffers.get(conn, b""):
+            line, self.buffers[conn] = self.buffers[conn].split(b"\n", 1)
+            self.handle(conn, json.loads(line))
+
+    def handle(self, conn: socket.socket, req: dict) -> None:
+        op = req.get("op")
+        if op in ("fork", "nanny"):
+            refusal = fork_refusal()
+            child = (
+                partial(become_engine, req, self.path)
+                if op == "fork"
+                else partial(become_nanny, req)
+            )
+            reply = {"error": refusal} if refusal else {"pid": self.fork(child)}
+        elif op == "wait":
+            pid = int(req["pid"])
+            if pid not in self.exits:
+                self.waiters.setdefault(pid, []).append(conn)
+                return
+            reply = {"exit_code": self.exits[pid]}
+        elif op == "info":
+            reply = {"pid": os.getpid(), "rss": rss(), "refusal": fork_refusal()}
+        else:
+            reply = {"error": f"unknown request {op!r}"}
+        send(conn, reply)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.exits[pid] = os.waitstatus_to_exitcode(status)
+            for conn in self.waiters.pop(pid, []):
+                send(conn, {"exit_code": self.exits[pid]})
+
+    def drop(self, conn: socket.socket) -> None:
+        self.selector.unregister(conn)
+        self.buffers.pop(conn, None)
+        for waiting in self.waiters.values():
+            if conn in waiting:
+                waiting.remove(conn)
+        conn.close()
+
+    def fork(self, child) -> int:
+        """A child that runs ``child()`` and exits as an interpreter would; its pid."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the child: nothing of the template's serving may stay
+            self.selector.close()
+            for sock in [self.listener, *self.buffers]:
+                sock.close()
+            child()
+            code = 0
+        except SystemExit as e:  # how ipyparallel's engine ends
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:  # as an interpreter would end, without unwinding into the template's loop
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def become_engine(req: dict, template_socket: str) -> None:
+    """In the forked child: the process ``Popen(argv, env=..., cwd=...,
+    start_new_session=True)`` with output to ``req['output']`` would have been, then the
+    engine, whose nanny the template forks too. Returns when the engine ends."""
+    new_session(req["env"], stdin=os.devnull, stdout=req["output"])
+    name_process(b"ipengine")
+    os.chdir(req["cwd"])
+    reseed()
+    sys.argv = ["ipengine", *req["argv"]]
+    from ipyparallel.engine import app
+
+    app.start_nanny = partial(forked_nanny, template_socket)
+    app.main()
+
+
+def become_nanny(req: dict) -> None:
+    """In the forked child: ipyparallel's nanny, as ``python -m ipyparallel.engine.nanny``
+    with the engine's pickled arguments on stdin and the FIFO as its stdout."""
+    import base64
+    import pickle
+
+    new_session(req["env"], stdin=os.devnull, stdout=req["fifo"], stderr=os.devnull)
+    name_process(b"ipengine-nanny")
+    kwargs = pickle.loads(base64.b64decode(req["kwargs"]))
+    sys.stdout = os.fdopen(1, "w", buffering=1)  # the nanny writes its URL there
+    kwargs["pipe"] = sys.stdout
+    from ipyparallel.engine.nanny import KernelNanny
+
+    KernelNanny.main(**kwargs)
+
+
+def forked_nanny(template_socket: str, **kwargs):
+    """``ipyparallel.engine.nanny.start_nanny`` for an engine forked from the template:
+    the same nanny, forked by the template instead of started by Popen (a fresh interpreter
+    importing ipyparallel cost each engine about a second of its start). Returns what
+    start_nanny returns: the nanny's URL and what keeps its pipe open."""
+    import base64
+    import pickle
+
+    kwargs["pid"] = os.getpid()
+    fifo = os.path.join(os.path.dirname(template_socket), f"nanny-{os.getpid()}.fifo")
+    os.mkfifo(fifo, 0o600)
+    try:
+        # Opened before the nanny opens its end, without blocking: a nanny that dies first
+        # must not leave the engine waiting for ever.
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        req = {
+            "op": "nanny",
+            "kwargs": base64.b64encode(pickle.dumps(kwargs)).decode(),
+            "fifo": fifo,
+            "env": dict(os.environ, PYTHONUNBUFFERED="1"),
+        }
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(template_socket)
+            conn.sendall(json.dumps(req).encode() + b"\n")
+            reply = json.loads(conn.makefile().readline() or "{}")
+        if "pid" not in reply:
+            os.close(fd)
+            raise RuntimeError(f"nanny failed: {reply.get('error')}")
+        url = read_url(fd)  # the nanny has opened the FIFO: its name can go
+    finally:
+        os.unlink(fifo)
+    os.set_blocking(fd, True)
+    return url, os.fdopen(fd, "rb")  # held open for the engine's life (see nanny.py)
+
+
+def read_url(fd: int, timeout: float = 60.0) -> str:
+    """The nanny's first line. Before the nanny opens its end a read finds nothing."""
+    import time
+
+    data, deadline = b"", time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("nanny failed: no address in time")
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            chunk = b""
+        data += chunk
+        if not chunk:
+            time.sleep(0.005)
+    return data.decode().strip()
+
+
+def new_session(env: dict, stdin: str, stdout: str, stderr: str | None = None) -> None:
+    """What ``Popen(..., env=env, start_new_session=True)`` gives a child: its own session
+    (signals to the kernel's group do not reach it), default signal handlers, the given
+    files as fd 0/1/2 and exactly ``env`` as its environment."""
+    os.setsid()
+    for signum in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for fd, path in ((0, stdin), (1, stdout), (2, stderr or stdout)):
+        flags = os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_APPEND
+        opened = os.open(path, flags if os.path.exists(path) else flags | os.O_CREAT, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def name_process(name: bytes) -> None:
+    """The name top and ``ps -o comm`` show (the command line stays the template's)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def reseed() -> None:
+    """A fresh process draws its seeds from the OS; a forked one would repeat the
+    template's. Python's ``random`` reseeds itself after fork; torch and numpy do not."""
+    import torch
+
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def send(conn: socket.socket, reply: dict) -> None:
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError:
+        pass  # the asker went away
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def warm_imports() -> None:
+    """What every engine imports by the end of its bootstrap: torch (its process groups and
+    DeviceMesh), ipyparallel's engine, ours."""
+    import ipyparallel.engine.app  # noqa: F401
+    import psutil  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+
+    from . import c10d, engine, groups, layout, plan  # noqa: F401
+
+
+def main(argv: list[str]) -> int:
+    warm_imports()
+    template = Template(argv[0])
+    print(READY, flush=True)
+    try:
+        template.serve()
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""Engines forked from the warm template (issue 22): distinct processes and random streams,
+the template kept across hard restarts and replaced when gone, the usual launch when asked
+for or when forking would be unsafe, and nothing left after stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import psutil
+from conftest import text_of, use_session
+
+from infini_notebook.template_launcher import FORKED
+
+TWO = "--nprocs 2 --timeout 30"
+
+
+def test_forked_engines_have_their_own_pids_and_random_streams(session4):
+    assert session4.engines.how == "engines " + FORKED
+    session4.run(
+        "import os, random, numpy\n"
+        "_draws = (os.getpid(), os.getppid(), torch.rand(1).item(), torch.initial_seed(), "
+        "random.random(), numpy.random.rand())",
+        echo=False,
+    )
+    draws = session4.pull("_draws")
+    pids, parents, *streams = zip(*draws.values())
+    assert len(set(pids)) == 4
+    assert set(parents) == {session4.engines.template.pid}  # forked, not started by Popen
+    for stream in streams:  # torch, its seed, random, numpy: a fresh draw on every rank
+        assert len(set(stream)) == 4, streams
+
+
+def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
+    use_session(kernel, TWO)
+    say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
+    first = text_of(kernel.run(say)).split()[0]
+    kernel.run("%dist_restart --hard", timeout=180)
+    kept, how = text_of(kernel.run(say)).split(" ", 1)
+    assert kept == first and FORKED in how  # the same template, warm: no new import
+    psutil.Process(int(first)).send_signal(signal.SIGKILL)
+    kernel.run("%dist_restart --hard", timeout=180)
+    new, how = text_of(kernel.run(say)).split(" ", 1)
+    assert new != first and FORKED in how
+    out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
+    assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
+    status = text_of(kernel.run("%dist_status"))
+    assert "2 ranks: 2 idle · warm template RSS" in status  # its memory is reported
+    procs = psutil.Process(int(new)).children(recursive=True) + [psutil.Process(int(new))]
+    kernel.run("%dist_stop")
+    assert psutil.wait_procs(procs, timeout=15)[1] == []
+
+
+def test_no_template_starts_engines_as_new_processes_and_says_so(kernel):
+    use_session(kernel, None)
+    out = text_of(kernel.run("%dist_start --nprocs 2 --no-template", timeout=180))
+    assert "engines started as new processes (--no-template)" in out
+    cmds = text_of(
+        kernel.run(
+            "import psutil\nprint([' '.join(psutil.Process(p.pid).cmdline()) "
+            "for p in dist_session.engines.pids.values()])"
+        )
+    )
+    assert cmds.count("-m ipyparallel.engine") == 2
+    assert "None" in text_of(kernel.run("print(dist_session.engines.template)"))
+    kernel.run("%dist_stop")
+
+
+def test_the_template_refuses_to_fork_with_threads_or_cuda():
+    """A forked child keeps only the forking thread (another's locks stay held for ever),
+    and CUDA cannot be used in a child of a process that initialised it."""
+    probe = (
+        "import threading, time, torch\n"
+        "from infini_notebook.template import fork_refusal\n"
+        "print('alone:', fork_refusal())\n"
+        "torch.cuda.is_initialized = lambda: True\n"
+        "print('cuda:', fork_refusal())\n"
+        "threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+        "print('thread:', fork_refusal())\n"
+    )
+    env = {"OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
+    ).stdout
+    assert "alone: None" in out
+    assert "cuda: the template has initialised CUDA" in out
+    assert "thread: the template runs 2 threads" in out
