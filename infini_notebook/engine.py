@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import engine_output, engine_tuning, rank_services, wait_probe
+from . import engine_output, engine_tuning, rank_services, shm_transport, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -341,6 +341,26 @@ def _to_cpu(value: Any) -> Any:
 
 def push_values(values: dict) -> None:
     user_namespace().update(values)
+
+
+def pull_shared(name: str, path: str) -> Any:
+    """``pull_value`` through the kernel's shared-memory file ``path`` (see shm_transport):
+    a ``Packed``, or the value itself where it cannot go that way."""
+    return shm_transport.pack_or_value(pull_value(name), path)
+
+
+def push_shared(plain: dict, packed: shm_transport.Packed | None, path: str) -> bool:
+    """``push_values`` of ``plain`` (as ipyparallel sends values) and of what ``packed`` holds
+    in the kernel's file ``path``. False, with nothing set, when this engine finds no such
+    file (it sees another /dev/shm): the kernel then sends the values the ordinary way."""
+    values = dict(plain)
+    if packed is not None:
+        try:
+            values.update(shm_transport.unpack(packed, path))
+        except FileNotFoundError:
+            return False
+    push_values(values)
+    return True
 
 
 def identity() -> dict:
