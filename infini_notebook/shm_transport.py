@@ -27,8 +27,9 @@ from typing import Any
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 64 * 1024  # a smaller buffer stays in the pickle: a copy costs less than a region
 ALIGN = 64  # each buffer starts on a cache line, so a tensor of any dtype is aligned
-ROOM = 0.5  # a transfer may take at most this part of the free space: NCCL and DataLoader
-# workers need /dev/shm too, and data on a mapping keeps counting there while it lives
+# A transfer may take at most this part of /dev/shm's free space: NCCL and DataLoader workers
+# need it too, and data on a mapping keeps counting there for as long as it lives.
+ROOM = 0.5
 enabled = True  # False: every pull and push takes ipyparallel's stream (benchmarks, tests)
 
 
@@ -57,11 +58,6 @@ def file_prefix(workdir: str, shm_dir: str = SHM_DIR) -> str:
     starts with "-", and a folder's basename has none after FOLDER_PREFIX (mkdtemp's random
     part), so one session's files never match another's prefix."""
     return os.path.join(shm_dir, os.path.basename(os.path.normpath(workdir)))
-
-
-def new_path(workdir: str, what: str) -> str:
-    """A fresh file name of this session for one transfer (``what``: push, pull)."""
-    return f"{file_prefix(workdir)}-{what}-{secrets.token_hex(8)}"
 
 
 def spans_for(sizes: list[int], align: int = ALIGN) -> tuple[tuple[int, int], ...]:
@@ -169,6 +165,8 @@ def unpack(packed: Packed, path: str | None) -> Any:
     if not packed.spans:
         return pickle.loads(packed.data)
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < packed.size:  # reading past the end would SIGBUS
+            raise OSError(f"{path} is shorter than the {packed.size} bytes it should hold")
         mapping = mmap.mmap(f.fileno(), packed.size, access=mmap.ACCESS_COPY)
     view = memoryview(mapping)  # tensors and arrays keep the mapping alive
     return pickle.loads(packed.data, buffers=[view[o : o + n] for o, n in packed.spans])
@@ -180,7 +178,7 @@ def _write(path: str, buffers: list[memoryview], spans, create: bool) -> None:
     fd = os.open(path, flags, 0o600)
     try:
         for raw, (offset, _) in zip(buffers, spans):
-            _write_at(fd, raw.cast("B"), offset)
+            _write_at(fd, raw, offset)
     except BaseException:
         os.ftruncate(fd, 0)  # give the space back now; the kernel removes the file
         raise
@@ -201,6 +199,11 @@ def _check_room(size: int) -> None:
 
 
 # ----- the kernel's and the engines' steps -------------------------------------------------
+
+
+def new_path(workdir: str, what: str) -> str:
+    """A fresh file name of this session for one transfer (``what``: push, pull)."""
+    return f"{file_prefix(workdir)}-{what}-{secrets.token_hex(8)}"
 
 
 def usable() -> bool:
