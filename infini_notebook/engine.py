@@ -290,6 +290,23 @@ def teardown_distributed() -> bool:
     return True
 
 
+def release_groups(peer_links: list[list] | None = None) -> str:
+    """End this rank's part in its process groups, so that peers blocked on it are
+    released. NCCL: abort the communicators (a destroy could wait for the very work that
+    hangs). gloo: destroy the groups, and shut down this process's connections to the
+    waiting peers (``peer_links``, see wait_probe.close_peer_links). The kernel rebuilds the
+    groups afterwards (a soft restart)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        wait_probe.abort_groups()
+        _STATE.pop("groups", None)
+        return "aborted"
+    teardown_distributed()
+    closed = wait_probe.close_peer_links(peer_links)
+    return f"destroyed; {closed} connections to waiting ranks closed"
+
+
 def reinit_distributed(attempt: int, attempt_key: str) -> dict:
     cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt

@@ -15,7 +15,6 @@ PACKAGE = "infini_notebook"
 # Circles through imports inside functions, still to be removed. Listed so that no new one
 # creeps in, and so that this list shrinks as they go (the test fails when one is gone).
 KNOWN = {
-    frozenset({"engine", "rank_services", "wait_probe"}),  # wait_probe.release_groups
     frozenset({"processes", "supervision"}),  # supervision.stuck_ranks -> queue_status
 }
 
