@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from . import engine, execution, processes, supervision
+from . import engine, execution, processes, supervision, transfer
 from .engine import KERNEL_MARK
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
@@ -29,7 +29,7 @@ from .output import one_line, prefix_lines
 from .plan import SessionPlan, make_plan
 from .ranks import parse_ranks, rank_label
 from .state import CellResult, Progress, RankState
-from .watchdog import FOLDER_PREFIX
+from .watchdog import FOLDER_PREFIX, remove_shared_files
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
@@ -186,6 +186,7 @@ class Session:
         self._keys = None
         self._store = None  # the TCPStore server closes with its last reference
         shutil.rmtree(self._workdir, ignore_errors=True)
+        remove_shared_files(self._workdir)  # none is left but by an engine that was killed
         if self._made_init_file:  # a path the user made stays (it may be theirs)
             processes.remove_quietly(self.plan.init_method.path)
         if _current is self:
@@ -242,6 +243,7 @@ class Session:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
         processes.stop_engines(self)  # a running controller stays (see ensure_controller)
+        remove_shared_files(self._workdir)
         self.engines.pids, self._errored, self._stuck = {}, set(), set()
         try:
             self._launch(progress)
@@ -318,33 +320,47 @@ class Session:
 
         The function runs in the engine process; ``engine.user_namespace()`` reaches the
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
+        what = getattr(fn, "__name__", "call")
+        targets = self._targets_for(what, ranks)
+        return self._apply_each({r: (fn, args) for r in targets}, what, timeout)
+
+    def _targets_for(self, what: str, ranks: str | list[int] | None) -> list[int]:
+        """The ranks a call goes to, once the session can take it."""
         self._require_running()
-        execution.refuse_beside_background(self, getattr(fn, "__name__", "call"))
-        targets = parse_ranks(ranks, self.world_size)
+        execution.refuse_beside_background(self, what)
+        return parse_ranks(ranks, self.world_size)
+
+    def _apply_each(
+        self, calls: dict[int, tuple], what: str, timeout: float | None = None
+    ) -> dict[int, Any]:
+        """``apply`` with a function and arguments of its own per rank: ``{rank: (fn, args)}``."""
+        targets = list(calls)
         with self.engines.lock:
-            pending = {r: processes.rank_view(self, r).apply_async(fn, *args) for r in targets}
+            pending = {
+                r: processes.rank_view(self, r).apply_async(fn, *args)
+                for r, (fn, args) in calls.items()
+            }
         execution.set_busy(self, targets, True)
         try:
-            return processes.gather(
-                self, pending, what=getattr(fn, "__name__", "call"), timeout=timeout
-            )
+            return processes.gather(self, pending, what=what, timeout=timeout)
         except KeyboardInterrupt:
             supervision.send_signal(self, signal.SIGINT, targets)
             raise DistInterrupted(
-                f"{getattr(fn, '__name__', 'call')} interrupted; {rank_label(targets)[1:-1]} "
-                "were sent SIGINT."
+                f"{what} interrupted; {rank_label(targets)[1:-1]} were sent SIGINT."
             ) from None
         finally:
             execution.set_busy(self, targets, False)
 
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
-        """``{rank: value}`` of a namespace variable, tensors moved to CPU."""
-        return self.apply(engine.pull_value, name, ranks=ranks, timeout=60)
+        """``{rank: value}`` of a namespace variable, tensors moved to CPU (through shared
+        memory from ranks on this host: see transfer.py)."""
+        return transfer.pull(self, name, self._targets_for("pull_value", ranks))
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
+        targets = self._targets_for("push_values", ranks)
         try:
-            self.apply(engine.push_values, values, ranks=ranks, timeout=60)
+            transfer.push(self, values, targets)
         except (DistUsageError, DistCellError):
             raise
         except Exception as e:  # ipyparallel could not serialize a value: nothing was sent

@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import engine_output, engine_tuning, rank_services, wait_probe
+from . import engine_output, engine_tuning, rank_services, shm_transport, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -290,6 +290,23 @@ def teardown_distributed() -> bool:
     return True
 
 
+def release_groups(peer_links: list[list] | None = None) -> str:
+    """End this rank's part in its process groups, so that peers blocked on it are
+    released. NCCL: abort the communicators (a destroy could wait for the very work that
+    hangs). gloo: destroy the groups, and shut down this process's connections to the
+    waiting peers (``peer_links``, see wait_probe.close_peer_links). The kernel rebuilds the
+    groups afterwards (a soft restart)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        wait_probe.abort_groups()
+        _STATE.pop("groups", None)
+        return "aborted"
+    teardown_distributed()
+    closed = wait_probe.close_peer_links(peer_links)
+    return f"destroyed; {closed} connections to waiting ranks closed"
+
+
 def reinit_distributed(attempt: int, attempt_key: str) -> dict:
     cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
@@ -341,6 +358,26 @@ def _to_cpu(value: Any) -> Any:
 
 def push_values(values: dict) -> None:
     user_namespace().update(values)
+
+
+def pull_shared(name: str, path: str) -> Any:
+    """``pull_value`` through the kernel's shared-memory file ``path`` (see shm_transport):
+    a ``Packed``, or the value itself where it cannot go that way."""
+    return shm_transport.pack_or_value(pull_value(name), path)
+
+
+def push_shared(plain: dict, packed: shm_transport.Packed | None, path: str) -> bool:
+    """``push_values`` of ``plain`` (as ipyparallel sends values) and of what ``packed`` holds
+    in the kernel's file ``path``. False, with nothing set, when this engine finds no such
+    file (it sees another /dev/shm): the kernel then sends the values the ordinary way."""
+    values = dict(plain)
+    if packed is not None:
+        try:
+            values.update(shm_transport.unpack(packed, path))
+        except FileNotFoundError:
+            return False
+    push_values(values)
+    return True
 
 
 def identity() -> dict:

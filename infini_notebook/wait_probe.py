@@ -165,26 +165,15 @@ def _pending_in_flight_recorder() -> dict | None:
             "seq": entry.get("collective_seq_id")}  # fmt: skip
 
 
-def release_groups(peer_links: list[list] | None = None) -> str:
-    """End this rank's part in its process groups, so that peers blocked on it are
-    released. NCCL: abort the communicators (a destroy could wait for the very work that
-    hangs). gloo: destroy the groups, and shut down this process's connections to the
-    waiting peers (``peer_links``: their tcp_links): a group object still referenced (by
-    ``groups``, a DDP module, a saved frame) keeps its sockets open after a destroy, and
-    only a closed connection ends a gloo wait ('Connection closed by peer'). The kernel
-    rebuilds the groups afterwards (a soft restart)."""
+def close_peer_links(peer_links: list[list] | None) -> int:
+    """Shut down this process's TCP connections to the waiting peers (``peer_links``: their
+    tcp_links, as seen from their side): a gloo group object still referenced (by ``groups``,
+    a DDP module, a saved frame) keeps its sockets open after a destroy, and only a closed
+    connection ends a gloo wait ('Connection closed by peer'). Returns how many it closed."""
     import socket
 
     import psutil
-    import torch.distributed as dist
 
-    from .engine import _STATE, teardown_distributed
-
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        abort_groups()
-        _STATE.pop("groups", None)
-        return "aborted"
-    teardown_distributed()
     theirs = {(tuple(r), tuple(lo)) for lo, r in peer_links or []}  # as seen from here
     closed = 0
     for c in psutil.Process().net_connections("tcp"):
@@ -195,7 +184,7 @@ def release_groups(peer_links: list[list] | None = None) -> str:
             with socket.socket(fileno=os.dup(c.fd)) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
             closed += 1
-    return f"destroyed; {closed} connections to waiting ranks closed"
+    return closed
 
 
 def abort_groups() -> None:

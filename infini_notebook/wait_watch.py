@@ -171,14 +171,14 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     communicators, from their answering thread: only an abort ends a wait in NCCL."""
     import json
 
-    from . import wait_probe
+    from . import engine
 
     if ending:
         others = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
         answers = supervision.ask(s, others, "links", ASK_WAIT_S)
         links = [link for text in answers.values() for link in json.loads(text)]
         with s.engines.lock:
-            ar = processes.ranks_view(s, ending).apply_async(wait_probe.release_groups, links)
+            ar = processes.ranks_view(s, ending).apply_async(engine.release_groups, links)
         try:
             log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))
         except Exception as e:

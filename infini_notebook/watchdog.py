@@ -6,7 +6,8 @@ launches every process of the session (controller, engines, their nannies) with
 ``IPP_PROFILE_DIR=PROFILE_DIR``, a folder that belongs to this session alone: when the kernel
 is gone, the watchdog ends the processes that carry that mark and started after ``SINCE``,
 and nothing else. So it covers processes that appear while the session is still starting,
-and those a hard restart brings up, without being told about each.
+and those a hard restart brings up, without being told about each. Then it removes the
+session's folder and its shared-memory files (``/dev/shm/<folder's name>-*``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ def remove_session_folder(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_shared_files(folder: str) -> None:
+    """The session's shared-memory files (see shm_transport), named after its folder, which
+    must be named as a session's."""
+    import glob
+
+    from .shm_transport import file_prefix, remove
+
+    if os.path.basename(os.path.normpath(folder)).startswith(FOLDER_PREFIX):
+        remove(glob.glob(glob.escape(file_prefix(folder)) + "-*"))
+
+
 def main(argv: list[str]) -> int:
     kernel, profile_dir, since = parse(argv[0]), argv[1], float(argv[2])
     while same_process(*kernel):
@@ -87,6 +99,7 @@ def main(argv: list[str]) -> int:
     for _ in range(2):
         end_all(session_processes(profile_dir, since))
     remove_session_folder(os.path.dirname(profile_dir))  # the kernel cannot any more
+    remove_shared_files(os.path.dirname(profile_dir))
     return 0
 
 

@@ -3,6 +3,7 @@ in a real kernel, and timed (time to detect, time to recover; see FAULT_TIMINGS)
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -337,6 +338,39 @@ def test_sigkill_of_the_kernel_ends_every_process():
         FAULT_TIMINGS["kernel SIGKILL: all session processes gone"] = time.perf_counter() - t0
         assert alive == [], [(p.pid, _cmd(p)) for p in alive]
         assert time.perf_counter() - t0 < 12
+
+
+# A pull that never ends (a rank's value takes 60 s to pickle), started on a thread so that
+# the kernel is killed while the pull's files are in /dev/shm: only the watchdog can remove them.
+STALLED_PULL = """\
+import glob, os, threading, time
+from infini_notebook import shm_transport
+shm_prefix = shm_transport.file_prefix(dist_session._workdir)
+threading.Thread(target=dist_session.pull, args=("stalled",), daemon=True).start()
+deadline = time.monotonic() + 30
+while len(glob.glob(shm_prefix + "-*")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("PREFIX", shm_prefix, len(glob.glob(shm_prefix + "-*")))
+"""
+
+
+def test_sigkill_of_the_kernel_mid_transfer_leaves_no_shared_memory_file():
+    with fresh_kernel() as cells:
+        cells.run("%dist_start --nprocs 2", timeout=180)
+        cells.run(
+            "%%dist\nimport time\nclass Stall:\n    def __reduce__(self):\n"
+            "        time.sleep(60)\n        return (int, (0,))\n"
+            "stalled = [torch.ones(1 << 20), Stall()]"
+        )
+        out = text_of(cells.run(STALLED_PULL, timeout=60))
+        prefix, count = out.split("PREFIX ")[1].split()
+        assert prefix.startswith("/dev/shm/infini-notebook-") and count == "2", out
+        kernel_proc = psutil.Process(cells.kernel_pid)
+        watched = kernel_proc.children(recursive=True)
+        kernel_proc.kill()
+        _, alive = psutil.wait_procs(watched, timeout=15)  # the watchdog among them
+        assert alive == [], [(p.pid, _cmd(p)) for p in alive]
+        assert glob.glob(glob.escape(prefix) + "-*") == []
 
 
 def _cmd(p: psutil.Process) -> list[str]:

@@ -11,12 +11,29 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..ranks import format_ranks
 
-if TYPE_CHECKING:
-    from ..layout import ParallelLayout
+
+class LayoutLike(Protocol):
+    """What the renderers read of a ``layout.ParallelLayout``. Duck-typed, so this module never
+    imports ``layout``: the layout imports it for its own HTML repr."""
+
+    world_size: int
+
+    @property
+    def dims(self) -> tuple[str, ...]: ...
+    @property
+    def active_dims(self) -> tuple[str, ...]: ...
+    def describe(self) -> str: ...
+    def coords(self, rank: int) -> dict[str, int]: ...
+    def kinds(self) -> list[str]: ...
+    def normalize_kind(self, kind: str) -> str: ...
+    def kind_size(self, kind: str) -> int: ...
+    def groups(self, kind: str) -> list[list[int]]: ...
+    def group_of(self, rank: int, kind: str) -> list[int]: ...
+
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # Soft colors so black text stays readable; neighbouring groups get clearly different hues.
@@ -93,7 +110,7 @@ class GridShape:
         return divmod(rank, self.ncols)
 
 
-def grid_shape(layout: ParallelLayout) -> GridShape:
+def grid_shape(layout: LayoutLike) -> GridShape:
     """Split the non-trivial dims (fastest first) where the grid is closest to square,
     preferring wide; a prefix split keeps ranks in reading order (rank = row*ncols + col)."""
     dims = list(layout.active_dims)
@@ -118,20 +135,20 @@ def _wrap_width(n: int) -> int:
     return max(d for d in range(1, MAX_GRID_COLS + 1) if n % d == 0)
 
 
-def coords_label(coords: Mapping[str, int], layout: ParallelLayout | None = None) -> str:
+def coords_label(coords: Mapping[str, int], layout: LayoutLike | None = None) -> str:
     """``tp1 dp0``: the rank's coordinates along dims of size > 1 (all dims if none)."""
     dims = [d for d in coords if layout is None or d in layout.active_dims]
     return " ".join(f"{d}{coords[d]}" for d in (dims or list(coords)))
 
 
-def col_label(layout: ParallelLayout, shape: GridShape, col: int) -> str:
+def col_label(layout: LayoutLike, shape: GridShape, col: int) -> str:
     if not shape.row_dims and layout.world_size > shape.ncols:
         return str(col)  # a wrapped single dim: columns are offsets within the row
     coords = layout.coords(col)
     return " ".join(f"{d}{coords[d]}" for d in reversed(shape.col_dims)) or "rank"
 
 
-def row_label(layout: ParallelLayout, shape: GridShape, row: int) -> str:
+def row_label(layout: LayoutLike, shape: GridShape, row: int) -> str:
     first = row * shape.ncols
     if not shape.row_dims:
         if shape.nrows == 1:
@@ -142,18 +159,18 @@ def row_label(layout: ParallelLayout, shape: GridShape, row: int) -> str:
     return " ".join(f"{d}{coords[d]}" for d in reversed(shape.row_dims))
 
 
-def default_color_kind(layout: ParallelLayout) -> str:
+def default_color_kind(layout: LayoutLike) -> str:
     """The fastest dim of size > 1 (tp on most layouts): its groups are the grid's rows."""
     return next(iter(layout.active_dims), layout.dims[0])
 
 
-def color_kinds(layout: ParallelLayout) -> list[str]:
+def color_kinds(layout: LayoutLike) -> list[str]:
     """Kinds worth coloring by: groups of more than one rank that are not the whole world."""
     kinds = [k for k in layout.kinds() if 1 < layout.kind_size(k) < layout.world_size]
     return kinds or [default_color_kind(layout)]
 
 
-def group_index(layout: ParallelLayout, kind: str) -> list[int]:
+def group_index(layout: LayoutLike, kind: str) -> list[int]:
     """For each rank, the index of its group in ``layout.groups(kind)``."""
     index = [0] * layout.world_size
     for i, group in enumerate(layout.groups(kind)):
@@ -174,7 +191,7 @@ def spanning_groups(groups: list[list[int]], hosts: Sequence[str] | None) -> set
     return {i for i, g in enumerate(groups) if len({hosts[r] for r in g}) > 1}
 
 
-def focus_kinds(layout: ParallelLayout, color_by: str) -> list[str]:
+def focus_kinds(layout: LayoutLike, color_by: str) -> list[str]:
     """The kinds listed when a rank is selected: each dim of size > 1, then ``color_by``."""
     kinds = list(layout.active_dims)
     color_by = layout.normalize_kind(color_by)
@@ -197,7 +214,7 @@ class GroupTile:
 
 
 def group_tiles(
-    layout: ParallelLayout,
+    layout: LayoutLike,
     color_by: str,
     hosts: Sequence[str] | None = None,
     selected: int | None = None,
@@ -236,7 +253,7 @@ def group_tiles(
     return tiles
 
 
-def groups_legend(layout: ParallelLayout, kind: str, hosts: Sequence[str] | None) -> str:
+def groups_legend(layout: LayoutLike, kind: str, hosts: Sequence[str] | None) -> str:
     """HTML: each group of ``kind`` as a color swatch and its ranks (first 32)."""
     groups = layout.groups(kind)
     spanning = spanning_groups(groups, hosts)
@@ -262,7 +279,7 @@ def groups_legend(layout: ParallelLayout, kind: str, hosts: Sequence[str] | None
     )
 
 
-def selection_text(layout: ParallelLayout, rank: int | None, color_by: str) -> str:
+def selection_text(layout: LayoutLike, rank: int | None, color_by: str) -> str:
     """One line per kind: the selected rank's group (plain text, also used in the widget)."""
     if rank is None:
         return "Click a rank to outline all its groups."
@@ -296,7 +313,7 @@ def tile_css(tile: GroupTile) -> dict[str, str]:
 
 
 def layout_html(
-    layout: ParallelLayout,
+    layout: LayoutLike,
     color_by: str | None = None,
     hosts: Sequence[str] | None = None,
     selected: int | None = None,
@@ -331,7 +348,7 @@ def layout_html(
 
 
 def layout_text(
-    layout: ParallelLayout, color_by: str | None = None, hosts: Sequence[str] | None = None
+    layout: LayoutLike, color_by: str | None = None, hosts: Sequence[str] | None = None
 ) -> str:
     """The grid for terminals: ``r5 B`` is rank 5 in group B; headers give the coordinates."""
     kind = layout.normalize_kind(color_by or default_color_kind(layout))
@@ -366,6 +383,6 @@ def group_name(i: int) -> str:
     return name
 
 
-def layout_mimebundle(layout: ParallelLayout, **kw) -> dict:
+def layout_mimebundle(layout: LayoutLike, **kw) -> dict:
     """For ``ParallelLayout._repr_mimebundle_``: static HTML and text (no widget, no kernel)."""
     return {"text/html": layout_html(layout, **kw), "text/plain": layout_text(layout, **kw)}

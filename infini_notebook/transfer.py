@@ -1,0 +1,59 @@
+"""Values between the notebook and the ranks (pull, push): through shared memory for ranks
+on this host (``shm_transport``), through ipyparallel's message stream for the others and
+wherever shared memory cannot serve. Plain functions taking the Session; the kernel makes
+and removes every file, so a failed or interrupted transfer leaves none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import engine, shm_transport
+
+
+def shared_ranks(s, targets: list[int]) -> list[int]:
+    """Of ``targets``, the ranks whose engine is a process of ours on this host (see
+    processes.own_process), when /dev/shm is there to use."""
+    if not shm_transport.usable():
+        return []
+    return [r for r in targets if r in s.engines.pids]
+
+
+def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
+    """``{rank: value}`` of ``name``. Each rank on this host writes its value's large buffers
+    into a file made for it here; the value is rebuilt on a private mapping of that file,
+    which is removed at once (the mapping stays)."""
+    paths = shm_transport.make_files(s._workdir, "pull", shared_ranks(s, targets))
+    calls = {
+        r: (engine.pull_shared, (name, paths[r])) if r in paths else (engine.pull_value, (name,))
+        for r in targets
+    }
+    try:
+        replies = s._apply_each(calls, "pull_value", timeout=60)
+        return {r: shm_transport.received(replies[r], paths.get(r)) for r in targets}
+    finally:
+        shm_transport.remove(paths.values())
+
+
+def push(s, values: dict, targets: list[int]) -> None:
+    """Set ``values`` in the ranks' namespaces. Pickled once for the ranks on this host, their
+    large buffers in one file that each maps copy-on-write, removed once all have answered."""
+    shared = shared_ranks(s, targets)
+    code = {k: v for k, v in values.items() if shm_transport.travels_as_code(v)}
+    data = {k: v for k, v in values.items() if k not in code}
+    path = shm_transport.new_path(s._workdir, "push")
+    try:
+        packed = shm_transport.pack_or_none(data, path) if shared else None
+        if packed is None:  # ipyparallel's path for all (and its error for an unpicklable value)
+            shared = []
+        calls = {
+            r: (engine.push_shared, (code, packed, path))
+            if r in shared
+            else (engine.push_values, (values,))
+            for r in targets
+        }
+        replies = s._apply_each(calls, "push_values", timeout=60)
+    finally:
+        shm_transport.remove([path])
+    missed = [r for r in shared if replies[r] is False]  # they see another /dev/shm
+    if missed:
+        s._apply_each({r: (engine.push_values, (values,)) for r in missed}, "push_values", 60)
