@@ -4,6 +4,7 @@ arrives, the Stop button, and the error a failed cell raises. Plain functions ta
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import signal
@@ -188,6 +189,7 @@ class Cell:
     (``StreamLabeler``). Rich outputs are read from ipyparallel's per-message metadata."""
 
     LIVE_EVERY_S = 0.1  # a display updated in place at most this often
+    TRAILING_QUIET_S = 2.0  # after the replies, output ends once no message came for this long
 
     def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
         internals.require(ar, ("_children",), "ipyparallel", "AsyncResult: one future per rank")
@@ -203,6 +205,7 @@ class Cell:
         self._live_at = 0.0
         self._live_text = ""
         self._dirty_lock = threading.Lock()
+        self.heard_at = time.monotonic()  # when the last output message arrived
         self._callbacks = {}
         for r, f in self.futures.items():
             self._callbacks[r] = functools.partial(self._on_message, r)
@@ -221,6 +224,7 @@ class Cell:
                 self._text[rank][name].append(text)
 
     def _on_message(self, rank: int, msg: dict) -> None:
+        self.heard_at = time.monotonic()
         with self._dirty_lock:
             snapshot = self._snapshot.pop(rank, None)
             content = msg.get("content", {})
@@ -234,6 +238,21 @@ class Cell:
                     self._text[rank][name].append(content.get("text", ""))
             self.dirty.add(rank)
         self.changed.set()
+
+    def wait_for_trailing_output(self) -> None:
+        """iopub trails the replies: wait for each replied rank's output to end (its idle
+        status) for as long as messages keep coming. A fixed wait lost the tail of a flood
+        that the client was still reading on a loaded machine."""
+        start = time.monotonic()
+        while True:
+            pending = [self.futures[r].output for r in self.targets if self.done(r)]
+            heard = max(start, self.heard_at)
+            quiet_left = heard + self.TRAILING_QUIET_S - time.monotonic()
+            if quiet_left <= 0:
+                return
+            _, still = concurrent.futures.wait(pending, timeout=min(quiet_left, 0.2))
+            if not still:
+                return
 
     def _wake(self, rank: int, _future=None) -> None:
         with self._dirty_lock:
@@ -339,13 +358,7 @@ def collect(cell: Cell, elapsed: float, watch: WaitWatch) -> CellResult:
     """The finished cell: its last output shown, its values and errors gathered. Ranks
     without a reply (dead, or stuck after a release) are errors; tracebacks already shown
     live, and those of ranks whose wait was released (their peer left), are not repeated."""
-    deadline = time.monotonic() + 2  # iopub trails the replies a little
-    for r in cell.targets:
-        if cell.done(r):
-            try:
-                cell.futures[r].output.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
+    cell.wait_for_trailing_output()
     cell.show(final=True)
     result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}

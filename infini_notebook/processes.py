@@ -264,12 +264,7 @@ def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_
     """One request on the controller's query socket, its reply's content. Sent under the
     client lock, waited for outside it, and never for longer than ``timeout``:
     ipyparallel's own calls (queue_status, purge_results) wait for ever on a dead one."""
-    with s.engines.lock:
-        client = s.engines.client
-        if client is None:
-            raise ControllerGone(msg_type)
-        internals.require(client, _QUERY_PARTS, "ipyparallel", "Client: controller requests")
-        future = client._send(client._query_stream, msg_type, content=content)
+    future = send_to_controller(s, msg_type, content)
     try:
         reply = future.result(timeout=timeout)
     except Exception:
@@ -279,6 +274,17 @@ def ask_controller(s, msg_type: str, content: dict, timeout: float = CONTROLLER_
     if content.get("status") != "ok":
         raise RuntimeError(f"the controller refused {msg_type}: {content}")
     return content
+
+
+def send_to_controller(s, msg_type: str, content: dict):
+    """Send one request on the controller's query socket, under the client lock; the
+    future of its reply."""
+    with s.engines.lock:
+        client = s.engines.client
+        if client is None:
+            raise ControllerGone(msg_type)
+        internals.require(client, _QUERY_PARTS, "ipyparallel", "Client: controller requests")
+        return client._send(client._query_stream, msg_type, content=content)
 
 
 def queue_status(s) -> dict[int, dict]:
@@ -650,9 +656,24 @@ def purge_hub(s) -> None:
     """Ask the controller to drop every finished task's record (results included, such
     as a pulled tensor). On the session's loop thread, at most once per
     HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
-    the controller counts a task finished a little after the client does."""
+    the controller counts a task finished a little after the client does. Not waited
+    for: the loop also stops engines, and a controller that died would have held a hard
+    restart for the whole CONTROLLER_TIMEOUT_S."""
     s.engines.purge_queued = False
+    if not controller_running(s):
+        return
     try:
-        ask_controller(s, "purge_request", {"engine_ids": [], "msg_ids": "all"})
+        future = send_to_controller(s, "purge_request", {"engine_ids": [], "msg_ids": "all"})
     except Exception as e:
         log.debug("controller purge: %s", e)
+        return
+    future.add_done_callback(_log_purge_reply)
+
+
+def _log_purge_reply(future) -> None:
+    try:
+        status = future.result()["content"].get("status")
+    except Exception as e:
+        status = one_line(e)
+    if status != "ok":
+        log.debug("controller purge: %s", status)

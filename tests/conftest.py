@@ -86,24 +86,42 @@ def kernel():
 # Marks a session started by use_session with the flags it was started with (an attribute of
 # the session object, so a session a test starts by hand never passes for one of these).
 _PROBE = """\
-from infini_notebook import cluster as _c
+from infini_notebook import cluster as _c, processes as _p
 _s = _c.current()
-print(getattr(_s, '_test_flags', None) == {flags!r}
+print(getattr(_s, '_test_flags', None) == {flags!r} and _p.controller_running(_s)
       and all(r.state in ('idle', 'error') for r in _s.status()))
-del _c, _s"""
+del _c, _p, _s"""
 
 
 def use_session(kernel: KernelCells, flags: str | None, timeout: int = 240) -> None:
     """Make ``kernel`` run a usable session started with ``%dist_start flags`` (None: no
     session), reusing the one a previous test left when it matches, so every test passes
     alone and in any order without paying for a start each time. A rank in state 'error'
-    (its last cell raised) is usable; a busy, stuck or dead one is not."""
+    (its last cell raised) is usable; a busy, stuck or dead one, or a dead controller
+    (a test that failed after killing it), is not."""
     if flags is not None and text_of(kernel.run(_PROBE.format(flags=flags))).strip() == "True":
         return
     kernel.run("%dist_stop", allow_error=True)
     if flags is not None:
         kernel.run(f"%dist_start {flags}", timeout=timeout)
         kernel.run(f"dist_session._test_flags = {flags!r}")
+
+
+# Kernel code that SIGKILLs the session's controller and returns once it is dead: kill()
+# returns when the signal is queued, and on a loaded machine the process can still be
+# scheduled for a moment, answering requests (a cell sent then ran as if nothing happened).
+KILL_CONTROLLER = """\
+import psutil, time
+from infini_notebook import cluster as _c
+_p = psutil.Process(_c.current().engines.cluster.controller.process.pid)
+_p.kill()
+try:
+    while _p.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.005)
+except psutil.NoSuchProcess:
+    pass
+del _p
+"""
 
 
 # Fault-injection timings (time to detect, time to recover), reported at the end of the run.

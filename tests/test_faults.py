@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, fresh_kernel, text_of, use_session
+from conftest import FAULT_TIMINGS, KILL_CONTROLLER, fresh_kernel, text_of, use_session
 
 FAULTS = "--nprocs 4 --timeout 5"  # the session most tests here share
 
@@ -238,13 +238,10 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
 def test_hard_restart_brings_back_a_controller_that_died(kernel):
     """A hard restart keeps a running controller, and starts a new one if it is gone."""
     use_session(kernel, FAULTS)
-    # The restart follows the kill at once, before ipyparallel's launcher has noticed the
+    # The restart follows the death at once, before ipyparallel's launcher has noticed the
     # exit: a restart that went by the launcher's state met a controller that was "running".
     kernel.run(
-        "import psutil\nfrom infini_notebook import cluster as _c\n"
-        "psutil.Process(_c.current().engines.cluster.controller.process.pid).kill()\n"
-        "get_ipython().run_line_magic('dist_restart', '--hard')",
-        timeout=180,
+        KILL_CONTROLLER + "get_ipython().run_line_magic('dist_restart', '--hard')", timeout=180
     )
     out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
