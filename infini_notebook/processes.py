@@ -168,11 +168,20 @@ def template_rss(s) -> int | None:
 
 
 def end_template(s) -> None:
-    if s.engines.template is not None:
-        from .watchdog import end_all
+    """The template and what it forked that is still there: nannies outlive their engines
+    for a while (each tries for up to 3 s to tell the controller), which held a stop at 16
+    ranks for 1.5 s and slowed the controller's. Killed while the template still reaps."""
+    if s.engines.template is None:
+        return
+    from .watchdog import end_all
 
-        end_all([s.engines.template], grace=0)
-        s.engines.template = None
+    try:
+        forked = s.engines.template.children()
+    except psutil.Error:
+        forked = []
+    end_all(forked, grace=0)
+    end_all([s.engines.template], grace=0)
+    s.engines.template = None
 
 
 def launch_note(s, engine_set) -> str:
@@ -510,8 +519,8 @@ def stop_processes(s) -> None:
     """Engines and controller (the store and the watchdog stay: see Session.stop)."""
     close_client(s)
     stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
+    end_template(s)  # with the nannies it forked, before they talk to the controller
     stop_controller(s)
-    end_template(s)
     supervision.kill_leftovers(s)
     s.engines.pids = {}
 
