@@ -63,8 +63,12 @@ class WaitWatch:
             self.gone[r] = "failed" if failed else "finished"
             if failed and running:
                 self.unshown[r] = time.monotonic()
-        if running:
-            self.next_ask = min(self.next_ask, time.monotonic())
+        if running:  # a failure: ask at once; ranks finishing a cell: a moment later,
+            # as the others usually follow within milliseconds (asking 16 ranks at once
+            # cost an empty cell 9 ms)
+            failed = any(self.gone.get(r) in ("failed", "died") for r in ranks)
+            soon = time.monotonic() + (0.0 if failed else GONE_POLL_S)
+            self.next_ask = min(self.next_ask, soon)
 
     def next_wake(self) -> float:
         """When tick has work next (monotonic time)."""
