@@ -59,6 +59,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
             follow(s, cell, watch)
         except KeyboardInterrupt:
             stuck = interrupt_stuck(s, cell)
+            cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
             raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
         finally:
             set_busy(s, targets, False)
@@ -189,7 +190,10 @@ class Cell:
     (``StreamLabeler``). Rich outputs are read from ipyparallel's per-message metadata."""
 
     LIVE_EVERY_S = 0.1  # a display updated in place at most this often
-    TRAILING_QUIET_S = 2.0  # after the replies, output ends once no message came for this long
+    # After the replies, output is waited for until no message came for this long. Each
+    # rank's idle status ends it at once; the wait runs out only for an engine that went
+    # silent after its reply. 2 s lost a rank's last line on a loaded machine.
+    TRAILING_QUIET_S = 10.0
 
     def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
         internals.require(ar, ("_children",), "ipyparallel", "AsyncResult: one future per rank")
