@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 
 from .errors import DistUsageError
 from .plan import LOOPBACK, SessionPlan
@@ -18,6 +19,8 @@ from .plan import LOOPBACK, SessionPlan
 # of 2.6 s for 4 CPU ranks). Misses allowed are raised so an engine is still declared dead
 # after 20 s of silence, close to the default 30 s.
 HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40")
+# ipyparallel's controller, announcing a new engine at its first heartbeat (see controller.py)
+CONTROLLER_CMD = ("-m", "infini_notebook.controller")
 
 # Slurm: ipyparallel's launcher with sbatch's errors and the job's state (see slurm.py).
 LAUNCHER_CLASSES = {
@@ -58,6 +61,11 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
         opts["controller_location"] = plan.controller_address or plan.bind_address
         opts["controller_args"].append("--IPController.enable_curve=True")
     return opts
+
+
+def controller_options() -> dict:
+    """Keyword arguments for ``Cluster.start_controller`` (traits of its launcher)."""
+    return {"controller_cmd": [sys.executable, *CONTROLLER_CMD]}
 
 
 def engine_env(plan: SessionPlan) -> dict[str, str]:

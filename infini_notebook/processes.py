@@ -221,7 +221,7 @@ def start_controller(s) -> None:
         log=logging.getLogger("infini_notebook.ipyparallel"),
         shutdown_atexit=True,
     )
-    in_loop(s, s.engines.cluster.start_controller())
+    in_loop(s, s.engines.cluster.start_controller(**launchers.controller_options()))
     s.engines.client = in_loop(s, s.engines.cluster.connect_client())
     # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
     # after some thousand cells. Messages travel on loopback or CurveZMQ.

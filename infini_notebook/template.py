@@ -22,6 +22,7 @@ The session ends it by pid at stop, the watchdog if the kernel dies.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -125,6 +126,11 @@ class Template:
         """A child that runs ``child()`` and exits as an interpreter would; its pid."""
         sys.stdout.flush()
         sys.stderr.flush()
+        # The template's objects (torch's: about a million) to the permanent generation:
+        # a child's collections then skip them instead of writing to each one's header,
+        # which copied the template's heap into every child page by page (an ended
+        # engine's nanny spent seconds of CPU in its last collection; engines slowed too).
+        gc.freeze()
         pid = os.fork()
         if pid:
             return pid
@@ -287,17 +293,51 @@ def rss() -> int:
 def warm_imports() -> None:
     """What every engine imports by the end of its bootstrap: torch (its process groups and
     DeviceMesh), ipyparallel's engine, ours."""
+    import sqlite3  # noqa: F401
+
     import ipyparallel.engine.app  # noqa: F401
+
+    # What each engine's kernel imports as it starts (about half a second of every start)
+    import IPython.core.completerlib  # noqa: F401
+    import IPython.core.logger  # noqa: F401
+    import IPython.core.oinspect  # noqa: F401
+    import IPython.extensions.storemagic  # noqa: F401
+    import IPython.utils.wildcard  # noqa: F401
     import psutil  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
+    import tornado.platform.asyncio  # noqa: F401
+    import tornado.queues  # noqa: F401
 
     from . import c10d, engine, groups, layout, plan  # noqa: F401
 
+    if "numpy" in sys.modules:  # reseed() draws numpy's seed in each engine
+        import numpy.random  # noqa: F401
+    without_debugpy("ipykernel.debugger")
+
+
+def without_debugpy(module: str) -> None:
+    """Import ``module`` as if debugpy were not installed. ipykernel's debugger needs
+    debugpy's, which starts a thread (the template could not fork) and costs each engine
+    140 modules; an engine's kernel has no debug channel to use it (ipyparallel gives it
+    none). A cell can still import debugpy itself: it is blocked only for this import."""
+    import importlib
+
+    if "debugpy" in sys.modules:
+        return
+    sys.modules["debugpy"] = None  # an import of it raises ImportError
+    try:
+        importlib.import_module(module)
+    finally:
+        del sys.modules["debugpy"]
+
 
 def main(argv: list[str]) -> int:
+    gc.disable()  # no collection while importing: it would leave holes in shared pages
     warm_imports()
+    gc.freeze()
+    gc.enable()
     template = Template(argv[0])
     print(READY, flush=True)
     try:

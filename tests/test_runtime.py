@@ -207,7 +207,7 @@ def test_kernel_killed_while_engines_come_up_leaves_nothing():
     with fresh_kernel() as cells:
         seen, marks = _kill_when(cells, "%dist_start --nprocs 2", lambda ps: len(_engines(ps)) >= 1)
         t0 = time.monotonic()
-        assert any("ipyparallel.controller" in cmd for cmd in seen.values())
+        assert any("infini_notebook.controller" in cmd for cmd in seen.values())
         _assert_all_gone(seen, marks, t0, "kernel killed while engines start")
 
 

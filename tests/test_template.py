@@ -32,6 +32,24 @@ def test_forked_engines_have_their_own_pids_and_random_streams(session4):
         assert len(set(stream)) == 4, streams
 
 
+def test_forked_engines_share_the_templates_heap_and_can_still_import_debugpy(session4):
+    """The template's objects are frozen out of the engines' collections (each collection
+    would otherwise copy the template's heap into the child); its kernel came up without
+    debugpy, which a cell can still import."""
+    session4.run(
+        "import gc, sys\n"
+        "_before = ('debugpy' in sys.modules, gc.get_freeze_count())\n"
+        "import debugpy\n"
+        "_after = callable(debugpy.listen)",
+        echo=False,
+    )
+    for (had_debugpy, frozen), imported in zip(
+        session4.pull("_before").values(), session4.pull("_after").values()
+    ):
+        assert not had_debugpy and imported
+        assert frozen > 100_000  # torch alone makes several hundred thousand objects
+
+
 def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     use_session(kernel, TWO)
     say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
