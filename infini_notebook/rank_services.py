@@ -33,7 +33,8 @@ def start(cfg: dict) -> None:
 # The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
 # Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
-# nothing), "links" (its TCP connections: JSON), "abort" (abort its NCCL communicators).
+# nothing), "links" (its TCP connections: JSON), "abort" (abort its NCCL communicators),
+# "close LINKS" (shut down these of its TCP connections, JSON as "links" gives them).
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -76,6 +77,9 @@ def answer(question: str, scratch) -> str:
         return json.dumps(wait_probe.current_wait())
     if question == "links":
         return json.dumps(wait_probe.tcp_links())
+    if question.startswith("close "):  # seen from here: as a peer would see them
+        mine = json.loads(question.removeprefix("close "))
+        return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))
     if question == "abort":
         wait_probe.abort_groups()
         return "aborted"

@@ -93,9 +93,10 @@ def waits(s, ranks: list[int], wait: float = 1.0) -> dict[int, dict | None]:
     return {r: json.loads(text) for r, text in ask(s, ranks, "wait", wait).items()}
 
 
-def ask(s, ranks: list[int], question: str, wait: float) -> dict[int, str]:
-    """Ask each rank's answering thread (rank_services) through the store; the answers
-    that came within ``wait`` seconds. Later ones are deleted at the next question."""
+def ask(s, ranks: list[int], question: str | dict[int, str], wait: float) -> dict[int, str]:
+    """Ask each rank's answering thread (rank_services) through the store (one question
+    for all, or one per rank); the answers that came within ``wait`` seconds. Later ones
+    are deleted at the next question."""
     from datetime import timedelta
 
     store = s._keys
@@ -106,7 +107,8 @@ def ask(s, ranks: list[int], question: str, wait: float) -> dict[int, str]:
         answers = {}
         for r in ranks:
             n = store.add(engine.stack_key(r, "count"), 1)
-            store.set(engine.stack_key(r, "ask", n), question)
+            asked = question[r] if isinstance(question, dict) else question
+            store.set(engine.stack_key(r, "ask", n), asked)
             answers[r] = engine.stack_key(r, "answer", n)
         try:
             store.wait(list(answers.values()), timedelta(seconds=wait))

@@ -181,8 +181,11 @@ def close_peer_links(peer_links: list[list] | None) -> int:
             continue
         mine = ((_host(c.laddr.ip), c.laddr.port), (_host(c.raddr.ip), c.raddr.port))
         if mine in theirs:
-            with socket.socket(fileno=os.dup(c.fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            try:
+                with socket.socket(fileno=os.dup(c.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile (by the peer, or by gloo): one less to close
+                continue
             closed += 1
     return closed
 

@@ -34,7 +34,7 @@ class WaitWatch:
         self.released_waits: dict[int, dict] = {}
         self.released_at: float | None = None
         self.ended: set[int] = set()  # gone ranks whose process groups were ended
-        self.aborted: set[int] = set()  # waiting ranks told to abort (NCCL)
+        self.let_go: set[int] = set()  # waiting ranks told to let go (gloo: close; NCCL: abort)
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
@@ -135,11 +135,11 @@ class WaitWatch:
         # Each rank's groups are ended once; a wait may need several (a ring waits on a
         # neighbour that leaves only when released itself), so the grace starts anew.
         new = {g for n in ready.values() for g in n if self.gone[g] != "died"} - self.ended
-        blocked = set(ready) - self.aborted
+        blocked = set(ready) - self.let_go
         if new or blocked:
             self.released_at = now
             self.ended |= new
-            self.aborted |= blocked
+            self.let_go |= blocked
             end_groups(self.s, sorted(new), sorted(blocked), self.gone)
 
     def _show_hang(self, found: dict, now: float) -> None:
@@ -171,25 +171,41 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     process groups and close their connections to every other rank (gloo: a wait on such a
     connection raises 'Connection closed by peer'; a dead rank's closed with it). Only
     groups that hold a rank that left are touched: a connection joins two ranks' processes
-    and serves only groups holding both. On NCCL the ``blocked`` ranks also abort their
-    communicators, from their answering thread: only an abort ends a wait in NCCL."""
+    and serves only groups holding both.
+
+    The ``blocked`` ranks (waiting in vain) are leaving too. On gloo they shut down their
+    connections to each other and to the ranks that left, from their answering thread: a
+    ring or tree collective waits on neighbours only, so releasing only the ranks next to
+    the one that left took a round per hop (8 ranks: four rounds, 1.3-4 s). On NCCL they
+    abort their communicators: only an abort ends a wait in NCCL."""
     import json
 
     from . import engine
 
+    nccl = "nccl" in s.plan.backend
+    links: dict[int, list] = {}
+    if ending or (blocked and not nccl):
+        alive = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
+        answers = supervision.ask(s, alive, "links", ASK_WAIT_S)
+        links = {r: json.loads(text) for r, text in answers.items()}
     if ending:
-        others = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
-        answers = supervision.ask(s, others, "links", ASK_WAIT_S)
-        links = [link for text in answers.values() for link in json.loads(text)]
+        peer_links = [link for own in links.values() for link in own]
         with s.engines.lock:
-            ar = processes.ranks_view(s, ending).apply_async(engine.release_groups, links)
+            ar = processes.ranks_view(s, ending).apply_async(engine.release_groups, peer_links)
+    if blocked and nccl:
+        supervision.ask(s, blocked, "abort", ASK_WAIT_S)
+    elif blocked:
+        leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
+        close = {r: waits.links_between(links, r, leaving) for r in blocked}
+        questions = {r: "close " + json.dumps(own) for r, own in close.items() if own}
+        if questions:
+            supervision.ask(s, sorted(questions), questions, ASK_WAIT_S)
+    if ending:
         try:
             log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))
         except Exception as e:
             log.warning("ending the process groups of %s: %s", ending, e)
         processes.forget(s, ar.msg_ids)
-    if blocked and "nccl" in s.plan.backend:
-        supervision.ask(s, blocked, "abort", ASK_WAIT_S)
 
 
 # How a wait ends when its peer is gone: gloo's closed or reset connection, NCCL's abort.

@@ -44,6 +44,13 @@ def hopeless(waits: Mapping[int, Mapping | None], gone: Mapping[int, str]) -> di
     return out
 
 
+def links_between(links: Mapping[int, list], rank: int, peers) -> list:
+    """``rank``'s TCP connections ([local, remote] address pairs, as each rank reports
+    them: wait_probe.tcp_links) whose other end is one of ``peers``' connections."""
+    theirs = {(tuple(r), tuple(lo)) for p in peers if p != rank for lo, r in links.get(p, [])}
+    return [[lo, r] for lo, r in links.get(rank, []) if (tuple(lo), tuple(r)) in theirs]
+
+
 def where(wait: Mapping, cell: str = "") -> str:
     """'all_reduce #7 on the tp group (In[5], line 4)'."""
     seq = f" #{wait['seq']}" if wait.get("seq") else ""

@@ -44,3 +44,50 @@ def test_matching_waits_are_no_mismatch():
     found = {0: coll("all_reduce", [0, 1], "tp"), 1: coll("all_reduce", [0, 1], "tp")}
     assert waits.mismatches(found) == []
     assert waits.verdict(found) == "ranks 0-1 in all_reduce #7 on the tp group (line 4 of the cell)"
+
+
+def test_links_between_finds_a_ranks_connections_to_the_given_ranks_only():
+    a, b, c, store = (
+        ["127.0.0.1", 5001],
+        ["127.0.0.1", 5002],
+        ["127.0.0.1", 5003],
+        ["127.0.0.1", 29500],
+    )
+    ab, ba = ["127.0.0.1", 40001], ["127.0.0.1", 40002]  # rank 1 <-> rank 2, both ways
+    links = {
+        1: [[ab, b], [a, ba], [["127.0.0.1", 40003], c], [["127.0.0.1", 40004], store]],
+        2: [[b, ab], [ba, a]],
+        3: [[c, ["127.0.0.1", 40003]]],
+    }
+    assert waits.links_between(links, 1, {1, 2}) == [[ab, b], [a, ba]]  # not to 3, not the store
+    assert waits.links_between(links, 1, {3}) == [[["127.0.0.1", 40003], c]]
+    assert waits.links_between(links, 1, {0}) == []  # a rank that did not answer
+
+
+def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
+    """The answer to "close LINKS" (rank_services), on real loopback connections: the named
+    one ends (its peer reads end of file, as a gloo wait then raises), another stays open,
+    and naming one already closed is no error."""
+    import json
+    import socket
+
+    from infini_notebook import rank_services
+
+    server = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    for _ in range(2):
+        mine = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+        pairs.append((mine, theirs))
+    (closing, peer), (kept, kept_peer) = pairs
+    link = [list(closing.getsockname()), list(closing.getpeername())]
+    try:
+        assert rank_services.answer("close " + json.dumps([link]), None) == "1"
+        peer.settimeout(5)
+        assert peer.recv(1) == b""  # end of file: the connection was shut down
+        kept.sendall(b"x")
+        assert kept_peer.recv(1) == b"x"
+        assert rank_services.answer("close " + json.dumps([link]), None) in ("0", "1")
+    finally:
+        for sock in (server, *pairs[0], *pairs[1]):
+            sock.close()
