@@ -34,7 +34,7 @@ def start(cfg: dict) -> None:
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
 # Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
 # nothing), "links" (its TCP connections: JSON), "abort" (abort its NCCL communicators),
-# "close LINKS" (shut down these of its TCP connections, JSON as "links" gives them).
+# "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as "links" gives them).
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -77,13 +77,25 @@ def answer(question: str, scratch) -> str:
         return json.dumps(wait_probe.current_wait())
     if question == "links":
         return json.dumps(wait_probe.tcp_links())
-    if question.startswith("close "):  # seen from here: as a peer would see them
-        mine = json.loads(question.removeprefix("close "))
-        return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))
+    if question.startswith("close "):
+        return close_links(question)
     if question == "abort":
         wait_probe.abort_groups()
         return "aborted"
     return _dump_stacks(scratch)
+
+
+def close_links(question: str) -> str:
+    """ "close ATTEMPT LINKS": shut down these of this rank's connections, unless the groups
+    were rebuilt since the kernel asked (a soft restart counts up the attempt): a question
+    answered late must not end the new groups' connections."""
+    from . import engine, wait_probe
+
+    _, attempt, links = question.split(" ", 2)
+    if int(attempt) != engine._STATE.get("cfg", {}).get("attempt"):
+        return "stale"
+    mine = json.loads(links)  # as seen from here; close_peer_links takes a peer's view
+    return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))
 
 
 # A rank whose stack thread cannot run (native code holds the GIL: a CUDA copy waiting on a

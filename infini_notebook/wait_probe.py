@@ -183,11 +183,19 @@ def close_peer_links(peer_links: list[list] | None) -> int:
         if mine in theirs:
             try:
                 with socket.socket(fileno=os.dup(c.fd)) as sock:
+                    # The fd may have been closed and reused since it was listed (new groups
+                    # being made beside this thread): end it only if it is still that link.
+                    if (_address(sock.getsockname()), _address(sock.getpeername())) != mine:
+                        continue
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:  # closed meanwhile (by the peer, or by gloo): one less to close
                 continue
             closed += 1
     return closed
+
+
+def _address(addr: tuple) -> tuple[str, int]:
+    return _host(addr[0]), addr[1]  # IPv6 addresses come with flow and scope too
 
 
 def abort_groups() -> None:

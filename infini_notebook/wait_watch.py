@@ -197,7 +197,7 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     elif blocked:
         leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
         close = {r: waits.links_between(links, r, leaving) for r in blocked}
-        questions = {r: "close " + json.dumps(own) for r, own in close.items() if own}
+        questions = {r: f"close {s.attempt} {json.dumps(own)}" for r, own in close.items() if own}
         if questions:
             supervision.ask(s, sorted(questions), questions, ASK_WAIT_S)
     if ending:

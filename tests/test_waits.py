@@ -65,13 +65,14 @@ def test_links_between_finds_a_ranks_connections_to_the_given_ranks_only():
 
 
 def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
-    """The answer to "close LINKS" (rank_services), on real loopback connections: the named
-    one ends (its peer reads end of file, as a gloo wait then raises), another stays open,
-    and naming one already closed is no error."""
+    """The answer to "close ATTEMPT LINKS" (rank_services), on real loopback connections:
+    the named one ends (its peer reads end of file, as a gloo wait then raises), another
+    stays open, naming one already closed is no error, and a question from before a soft
+    restart closes nothing."""
     import json
     import socket
 
-    from infini_notebook import rank_services
+    from infini_notebook import engine, rank_services
 
     server = socket.create_server(("127.0.0.1", 0))
     pairs = []
@@ -81,13 +82,17 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
         pairs.append((mine, theirs))
     (closing, peer), (kept, kept_peer) = pairs
     link = [list(closing.getsockname()), list(closing.getpeername())]
+    engine._STATE["cfg"] = {"attempt": 3}  # as bootstrap leaves it, after two soft restarts
     try:
-        assert rank_services.answer("close " + json.dumps([link]), None) == "1"
+        stale = rank_services.answer(f"close 2 {json.dumps([link])}", None)
+        assert stale == "stale"  # asked before the groups were rebuilt: left alone
+        assert rank_services.answer(f"close 3 {json.dumps([link])}", None) == "1"
         peer.settimeout(5)
         assert peer.recv(1) == b""  # end of file: the connection was shut down
         kept.sendall(b"x")
         assert kept_peer.recv(1) == b"x"
-        assert rank_services.answer("close " + json.dumps([link]), None) in ("0", "1")
+        assert rank_services.answer(f"close 3 {json.dumps([link])}", None) in ("0", "1")
     finally:
+        engine._STATE.pop("cfg", None)
         for sock in (server, *pairs[0], *pairs[1]):
             sock.close()
