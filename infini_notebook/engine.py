@@ -140,6 +140,7 @@ def _set_environment(cfg: dict) -> None:
         env.setdefault(key, os.environ.get(key, value))  # a user's own setting stays
     os.environ.update(env)
     _STATE["cfg"] = cfg
+    rank_services.follow_attempt(cfg["attempt"])
 
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a failed or timed-out NCCL collective

@@ -85,14 +85,22 @@ def answer(question: str, scratch) -> str:
     return _dump_stacks(scratch)
 
 
+_attempt: list[int] = []  # the attempt this rank's process groups belong to
+
+
+def follow_attempt(attempt: int) -> None:
+    """Called as the engine (re)builds its process groups: a soft restart counts it up."""
+    _attempt[:] = [attempt]
+
+
 def close_links(question: str) -> str:
-    """ "close ATTEMPT LINKS": shut down these of this rank's connections, unless the groups
-    were rebuilt since the kernel asked (a soft restart counts up the attempt): a question
-    answered late must not end the new groups' connections."""
-    from . import engine, wait_probe
+    """Answer "close ATTEMPT LINKS": shut down these of this rank's connections, unless the
+    groups were rebuilt since the kernel asked: a question answered late must not end the
+    new groups' connections."""
+    from . import wait_probe
 
     _, attempt, links = question.split(" ", 2)
-    if int(attempt) != engine._STATE.get("cfg", {}).get("attempt"):
+    if [int(attempt)] != _attempt:
         return "stale"
     mine = json.loads(links)  # as seen from here; close_peer_links takes a peer's view
     return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))

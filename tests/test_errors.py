@@ -12,6 +12,7 @@ from conftest import text_of
 
 from infini_notebook import cluster
 from infini_notebook.errors import DistCellError, DistUsageError
+from infini_notebook.watchdog import MARK
 
 
 def error_text(cell) -> str:
@@ -86,7 +87,6 @@ def new_session(**options) -> cluster.Session:
 
 
 def test_a_local_start_failure_shows_the_cause_not_host_advice():
-    before = psutil.Process().children(recursive=True)
     session = new_session(nprocs=1, env=["PYTHONHOME=/nonexistent"])  # python cannot start
     with pytest.raises(DistCellError) as e:
         session.start()
@@ -94,7 +94,17 @@ def test_a_local_start_failure_shows_the_cause_not_host_advice():
     assert "Fatal Python error" in e.value.report  # the engine's own words
     assert "reachable" not in e.value.summary and "--env" in e.value.summary
     assert "Nothing is left running" in e.value.summary
-    assert psutil.Process().children(recursive=True) == before
+    # Nothing of this session's: the processes it started carry its mark. (Comparing all
+    # of pytest's children failed when a shared kernel's session changed meanwhile.)
+    assert [p for p in psutil.Process().children(recursive=True) if _marked(p, session)] == []
+
+
+def _marked(proc: psutil.Process, session) -> bool:
+    try:
+        mark = proc.environ().get(MARK)
+        return mark == session._profile_dir and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def free_loopback_port() -> int:

@@ -72,7 +72,7 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
     import json
     import socket
 
-    from infini_notebook import engine, rank_services
+    from infini_notebook import rank_services
 
     server = socket.create_server(("127.0.0.1", 0))
     pairs = []
@@ -82,7 +82,7 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
         pairs.append((mine, theirs))
     (closing, peer), (kept, kept_peer) = pairs
     link = [list(closing.getsockname()), list(closing.getpeername())]
-    engine._STATE["cfg"] = {"attempt": 3}  # as bootstrap leaves it, after two soft restarts
+    rank_services.follow_attempt(3)  # as an engine is after two soft restarts
     try:
         stale = rank_services.answer(f"close 2 {json.dumps([link])}", None)
         assert stale == "stale"  # asked before the groups were rebuilt: left alone
@@ -93,6 +93,6 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
         assert kept_peer.recv(1) == b"x"
         assert rank_services.answer(f"close 3 {json.dumps([link])}", None) in ("0", "1")
     finally:
-        engine._STATE.pop("cfg", None)
+        rank_services._attempt.clear()
         for sock in (server, *pairs[0], *pairs[1]):
             sock.close()
