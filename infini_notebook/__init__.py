@@ -38,6 +38,10 @@ def load_ipython_extension(ipython) -> None:
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    if current() is None:
+        from .prewarm import warm
+
+        warm()  # the first %dist_start then finds its template's imports done
     if record_outcome not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", record_outcome)  # %dist_export skips failures
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from . import engine, execution, processes, supervision, transfer
+from . import engine, execution, launchers, prewarm, processes, supervision, transfer
 from .engine import KERNEL_MARK
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
@@ -60,10 +60,18 @@ def start(
     plan = plan_from_options(options, **keywords)
     if progress is not None:
         progress(0, 0)  # the options are good: only now a "starting..." bar
-    session = Session(plan)
+    session = Session(plan, warmed=take_warmed(plan))
     session.start(progress)
     _current = session
     return session
+
+
+def take_warmed(plan: SessionPlan) -> prewarm.Warmed | None:
+    """The template %load_ext warmed, if it suits this plan's engines (see prewarm.py)."""
+    if plan.template_off:
+        prewarm.discard()  # no use to this session
+        return None
+    return prewarm.take(launchers.template_env(plan))
 
 
 def plan_from_options(options: StartOptions | None = None, **keywords) -> SessionPlan:
@@ -102,7 +110,9 @@ def visible_cuda_devices() -> list[str]:
 
 
 class Session:
-    def __init__(self, plan: SessionPlan):
+    def __init__(self, plan: SessionPlan, warmed: prewarm.Warmed | None = None):
+        """``warmed``: a template warmed ahead (see prewarm.py), whose folder, template and
+        watchdog this session adopts."""
         self.plan = plan
         self.attempt = 0
         # Every key of the session lives under an unguessable root, and each attempt's
@@ -116,18 +126,21 @@ class Session:
         self._errored: set[int] = set()
         self._store = None
         self._keys = None  # the session's keys in _store (see processes.start_store)
-        self._workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        self._workdir = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # Engines on another host find no such file in their copy of this folder (see
         # engine.remove_remote_copy); on this host they do.
         open(os.path.join(self._workdir, KERNEL_MARK), "w").close()
-        self._created = time.time()  # no process of ours is older
+        self._created = warmed.created if warmed else time.time()  # no process of ours is older
         self._lock = threading.Lock()
         self.engines = processes.Engines()  # controller, client and its lock, engine processes
+        if warmed:
+            self.engines.template = warmed.template
+            self.engines.template_env = launchers.template_env(plan)  # the same, per plan
         self._background: execution.Background | None = None
         self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
         self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
-        self._watchdog = None
+        self._watchdog = warmed.watchdog if warmed else None
         self._made_init_file = False  # stop() removes a file:// path only if we made it
 
     # ----- start / stop -------------------------------------------------------------------
@@ -159,7 +172,7 @@ class Session:
     def _profile_dir(self) -> str:
         """ipyparallel puts this in every process it launches (IPP_PROFILE_DIR): it marks
         the processes this session started, and only them (the folder is ours alone)."""
-        return os.path.join(self._workdir, "profile")
+        return launchers.profile_dir(self._workdir)
 
     @property
     def world_size(self) -> int:

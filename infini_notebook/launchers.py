@@ -41,6 +41,12 @@ IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 TEMPLATE_LAUNCHER = "infini_notebook.template_launcher.TemplateEngineSetLauncher"
 
 
+def profile_dir(workdir: str) -> str:
+    """ipyparallel's profile folder in a session's folder. ipyparallel puts its path in every
+    process it launches (IPP_PROFILE_DIR): it marks the session's processes (watchdog.MARK)."""
+    return os.path.join(workdir, "profile")
+
+
 def template_socket(profile_dir: str) -> str:
     """Where the session's warm template listens (see template.py): its folder."""
     return os.path.join(os.path.dirname(profile_dir), "template.sock")
@@ -72,6 +78,12 @@ def engine_env(plan: SessionPlan) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": str(plan.threads_per_rank)}
     env.update(dict(plan.placement.env))
     return env
+
+
+def template_env(plan: SessionPlan) -> dict[str, str]:
+    """The environment a template for ``plan`` starts with: the engines' own, so what an
+    interpreter reads as it starts is what a new engine would have read."""
+    return dict(os.environ, **engine_env(plan))
 
 
 def engine_options(plan: SessionPlan, profile_dir: str = "") -> dict:

@@ -26,6 +26,22 @@ def _session() -> cluster.Session:
     return session
 
 
+def prewarm_note() -> str:
+    """What %dist_status says of the template warmed for the next session (see prewarm.py)."""
+    from . import prewarm
+
+    template = prewarm.warm_template()
+    try:
+        rss = template.memory_info().rss if template is not None else None
+    except Exception:  # it just ended
+        rss = None
+    if rss is None:
+        return ""
+    from .viz.render import format_bytes
+
+    return f" A warm template waits for it (RSS {format_bytes(rss)}; %dist_stop ends it)."
+
+
 def _unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around a quoted value."""
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
@@ -112,10 +128,15 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_stop(self, line: str):
-        """Stop the session: engines, controller and store."""
+        """Stop the session: engines, controller and store (and the template %load_ext
+        warmed for the next session, if one waits)."""
+        from . import prewarm
+
         session = cluster.current()
         if session is None:
-            print("No session is running.")
+            warm = prewarm.warm_template() is not None
+            prewarm.discard()
+            print("No session is running." + (" Ended the warm template." if warm else ""))
             return
         session.stop()
         self.shell.user_ns.pop("dist_session", None)
@@ -162,6 +183,10 @@ class DistMagics(Magics):
 
         from . import viz
 
+        if cluster.current() is None:
+            raise DistUsageError(
+                "No session is running. Start one with %dist_start --nprocs 4." + prewarm_note()
+            )
         display(viz.status_widget(_session()))
 
     @staticmethod

@@ -121,24 +121,24 @@ def ensure_template(s) -> None:
     The template starts with the engines' environment, so what an interpreter reads as it
     starts (PYTHONPATH, LD_PRELOAD, an --env of the user's) is what a new engine would
     read; a kernel whose environment changed since gets a new template."""
-    from . import launchers, template_launcher
+    from . import launchers, template_client
 
     if s.plan.template_off:
         return
-    env = dict(os.environ, **launchers.engine_env(s.plan))
+    env = launchers.template_env(s.plan)
     if template_alive(s) and s.engines.template_env == env:
         return
     end_template(s)
     path = launchers.template_socket(s._profile_dir)
     remove_quietly(path)  # a dead template's: a new one must not be taken as ready
-    s.engines.template = template_launcher.start_template(
+    s.engines.template = template_client.start_template(
         env, s._profile_dir, path, os.path.join(s._workdir, "template.log")
     )
     s.engines.template_env = env
 
 
 def template_alive(s) -> bool:
-    from .template_launcher import alive
+    from .template_client import alive
 
     return s.engines.template is not None and alive(s.engines.template)
 
@@ -146,15 +146,15 @@ def template_alive(s) -> bool:
 def template_ready(s, progress: Progress | None) -> str:
     """The template's socket once it listens; "" (engines start the usual way, and
     ``launch_note`` says why) if it cannot fork: its log's last line is the reason."""
-    from . import launchers, template_launcher
+    from . import launchers, template_client
 
     path = launchers.template_socket(s._profile_dir)
     if progress:
         progress(0, s.world_size, "warming the template")
     try:
-        template_launcher.wait_ready(s.engines.template, path)
+        template_client.wait_ready(s.engines.template, path)
         return path
-    except template_launcher.TemplateUnavailable as e:
+    except template_client.TemplateUnavailable as e:
         log.warning("engines start without the template: %s", e)
         end_template(s)
         return ""

@@ -20,19 +20,25 @@ from .state import RankState
 def start_watchdog(s) -> None:
     """A small process that ends ours if this kernel dies, even by SIGKILL. Started
     before anything else, so a kernel killed while engines come up leaves nothing."""
+    if s._watchdog is not None and s._watchdog.poll() is None:
+        return  # a hard restart keeps the session's watchdog (an adopted one too: prewarm)
+    s._watchdog = spawn_watchdog(s._profile_dir, s._created)
+
+
+def spawn_watchdog(profile_dir: str, since: float):
+    """``python -m infini_notebook.watchdog`` for the processes marked ``profile_dir``
+    started after ``since`` (see watchdog.py); its Popen."""
     import subprocess
 
-    if s._watchdog is not None and s._watchdog.poll() is None:
-        return  # a hard restart keeps the session's watchdog
     kernel = psutil.Process()
-    s._watchdog = subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "infini_notebook.watchdog",
             f"{kernel.pid}:{kernel.create_time()}",
-            s._profile_dir,
-            repr(s._created),
+            profile_dir,
+            repr(since),
         ],
         start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
         stdin=subprocess.DEVNULL,

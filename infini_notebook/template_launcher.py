@@ -1,5 +1,5 @@
-"""Kernel side of the warm template (see template.py): starting it, asking it to fork, and
-the ipyparallel engine launcher that uses it.
+"""The ipyparallel engine launcher whose engines the warm template forks (see template.py;
+template_client.py starts the template and talks to it).
 
 ipyparallel stays in charge of everything but the fork: the controller, registration,
 signing, stopping. ``TemplateEngineSetLauncher`` is ipyparallel's local engine-set launcher
@@ -13,82 +13,14 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Unicode
 
-from .watchdog import MARK
+from .template_client import TemplateUnavailable, read_line, request
 
 FORKED = "forked from the warm template"
-READY_TIMEOUT_S = 120.0  # the template's imports, on a loaded machine
-
-
-class TemplateUnavailable(RuntimeError):
-    """The template cannot fork an engine now; the message says why."""
-
-
-def start_template(env: dict, profile_dir: str, socket_path: str, log_path: str) -> psutil.Process:
-    """``python -m infini_notebook.template`` with ``env`` and the session's mark. One BLAS
-    thread: numpy's OpenBLAS otherwise starts a pool at import, and a process with threads
-    must not fork (torch's own pools start later, in each engine)."""
-    env = dict(env, **{MARK: profile_dir, "OPENBLAS_NUM_THREADS": "1"})
-    with open(log_path, "ab") as out, open(os.devnull, "rb") as null:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infini_notebook.template", socket_path],
-            stdin=null,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # the kernel's SIGINT is not the template's
-        )
-    return psutil.Process(proc.pid)
-
-
-def request(socket_path: str, req: dict, timeout: float | None = 30.0) -> dict:
-    """One request, its reply; TemplateUnavailable if the template cannot answer."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(socket_path)
-            conn.sendall(json.dumps(req).encode() + b"\n")
-            reply = read_line(conn)
-    except OSError as e:
-        raise TemplateUnavailable(f"the template did not answer ({e})") from None
-    if "error" in reply:
-        raise TemplateUnavailable(reply["error"])
-    return reply
-
-
-def read_line(conn: socket.socket) -> dict:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk:
-            raise ConnectionError("the template closed the connection")
-        data += chunk
-    return json.loads(data)
-
-
-def wait_ready(proc: psutil.Process, socket_path: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Until the template listens (its imports done); TemplateUnavailable if it died."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(socket_path):
-        if not alive(proc):
-            raise TemplateUnavailable("the template exited while importing (see its log)")
-        if time.monotonic() > deadline:
-            raise TemplateUnavailable(f"the template was not ready in {timeout:.0f}s")
-        time.sleep(0.02)
-
-
-def alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class TemplateEngineLauncher(LocalEngineLauncher):

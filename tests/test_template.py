@@ -1,15 +1,17 @@
 """Engines forked from the warm template (issue 22): distinct processes and random streams,
 the template kept across hard restarts and replaced when gone, the usual launch when asked
-for or when forking would be unsafe, and nothing left after stop."""
+for or when forking would be unsafe, a template warmed at %load_ext for the first start,
+and nothing left after stop or a killed kernel."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 
 import psutil
-from conftest import text_of, use_session
+from conftest import fresh_kernel, text_of, use_session
 
 from infini_notebook.template_launcher import FORKED
 
@@ -104,3 +106,57 @@ def test_the_template_refuses_to_fork_with_threads_or_cuda():
     assert "alone: None" in out
     assert "cuda: the template has initialised CUDA" in out
     assert "thread: the template runs 2 threads" in out
+
+
+WARMED = (
+    "from infini_notebook import prewarm\n"
+    "_w = prewarm._warmed\n"
+    "print(_w.template.pid, _w.watchdog.pid, _w.workdir) if _w else print('none')"
+)
+SAY_SESSION = (
+    "print(dist_session.engines.template.pid, dist_session._workdir, dist_session.engines.how)"
+)
+
+
+def test_load_ext_warms_a_template_that_the_first_start_adopts():
+    with fresh_kernel() as cells:
+        template, watchdog, workdir = text_of(cells.run(WARMED)).split()
+        waiting = text_of(cells.run("%dist_status", allow_error=True))
+        assert "A warm template waits for it (RSS" in waiting  # its memory is reported
+        cells.run("%dist_start --nprocs 2 --timeout 30", timeout=240)
+        pid, folder, how = text_of(cells.run(SAY_SESSION)).split(" ", 2)
+        assert (pid, folder) == (template, workdir) and FORKED in how  # adopted, not a new one
+        assert "none" in text_of(cells.run(WARMED))  # the next start will not find it again
+        out = text_of(cells.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
+        assert "[rank 1] 2.0" in out
+        procs = [psutil.Process(int(template)), psutil.Process(int(watchdog))]
+        cells.run("%dist_stop")
+        assert psutil.wait_procs(procs, timeout=15)[1] == []  # the session ended what it adopted
+        assert not os.path.exists(workdir)
+
+
+def test_a_start_with_another_environment_ends_the_warm_template_and_stop_ends_an_unused_one():
+    with fresh_kernel() as cells:
+        template, watchdog, workdir = text_of(cells.run(WARMED)).split()
+        procs = [psutil.Process(int(template)), psutil.Process(int(watchdog))]
+        cells.run("%dist_start --nprocs 2 --timeout 30 --env INFINI_TEST_VAR=1", timeout=240)
+        pid, folder, how = text_of(cells.run(SAY_SESSION)).split(" ", 2)
+        assert pid != template and folder != workdir and FORKED in how  # a template of its own
+        assert psutil.wait_procs(procs, timeout=15)[1] == [] and not os.path.exists(workdir)
+        cells.run("%dist_stop")
+        cells.run("prewarm.warm()")  # as %load_ext does
+        template, watchdog, workdir = text_of(cells.run(WARMED)).split()
+        procs = [psutil.Process(int(template)), psutil.Process(int(watchdog))]
+        assert "Ended the warm template" in text_of(cells.run("%dist_stop"))
+        assert psutil.wait_procs(procs, timeout=15)[1] == [] and not os.path.exists(workdir)
+
+
+def test_a_killed_kernel_leaves_nothing_of_a_warm_template():
+    with fresh_kernel() as cells:
+        template, watchdog, workdir = text_of(cells.run(WARMED)).split()
+        kernel = psutil.Process(cells.kernel_pid)
+        procs = kernel.children(recursive=True)
+        assert {int(template), int(watchdog)} <= {p.pid for p in procs}
+        kernel.kill()
+        assert psutil.wait_procs(procs, timeout=15)[1] == []
+        assert not os.path.exists(workdir)
