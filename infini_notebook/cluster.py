@@ -255,7 +255,9 @@ class Session:
     def _restart_hard(self, progress: Progress | None) -> None:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
-        processes.stop_engines(self)  # a running controller stays (see ensure_controller)
+        # A running controller stays (see ensure_controller), and spare engines forked
+        # after the last hard restart become the ranks (see processes.Standby).
+        processes.stop_engines(self, keep_standby=True)
         remove_shared_files(self._workdir)
         self.engines.pids, self._errored, self._stuck = {}, set(), set()
         try:
@@ -273,6 +275,7 @@ class Session:
                 getattr(e, "ranks", []),
             ) from None
         self.running = True
+        processes.launch_standby(self)
 
     # ----- running code -------------------------------------------------------------------
     def run(

@@ -50,6 +50,20 @@ class Engines:
     template: psutil.Process | None = None  # the warm template engines fork from
     template_env: dict = field(default_factory=dict)  # the environment it started with
     how: str = ""  # how the last engines came up (see launch_note)
+    set_id: str = ""  # the ranks' engine set (ipyparallel's), stopped by a hard restart
+    standby: Standby | None = None  # engines forked ahead for the next hard restart
+
+
+@dataclass
+class Standby:
+    """A spare engine per rank, forked from the template after a hard restart and left idle,
+    registered with the controller: the next hard restart makes them the ranks instead of
+    forking and waiting for new ones (the engines' start is most of a hard restart). A
+    session that needed one hard restart is likely to need another."""
+
+    launch: Any  # concurrent.futures.Future of the engine set's id (the launch runs on the loop)
+    known: set[int]  # the engine ids registered before it, which are not its
+    template: psutil.Process  # the template it forked from: a replaced one ended it
 
 
 def start_store(s) -> None:
@@ -96,13 +110,7 @@ def start_engines(s, progress: Progress | None) -> None:
 
     ensure_template(s)  # first: its imports overlap the controller's start
     ensure_controller(s)
-    known = set(s.engines.client.ids)  # a hard restart's old engines may linger there a moment
-    options = launchers.engine_options(s.plan, s._profile_dir)
-    if not s.plan.template_off:
-        options["template_socket"] = template_ready(s, progress)
-    set_id = in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
-    s.engines.how = launch_note(s, s.engines.cluster.engines[set_id])
-    eids = wait_for_engines(s, progress, known)
+    eids = take_standby(s, progress) or launch_engines(s, progress)
     ar = s.engines.client[eids].apply_async(engine.identity)
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
@@ -113,6 +121,71 @@ def start_engines(s, progress: Progress | None) -> None:
         proc = own_process(s, identities[eid]["pid"])
         if proc is not None:
             s.engines.pids[r] = proc
+
+
+def launch_engines(s, progress: Progress | None) -> list[int]:
+    """One new engine per rank; their ids once all registered."""
+    from . import launchers
+
+    known = set(s.engines.client.ids)  # a hard restart's old engines may linger there a moment
+    options = launchers.engine_options(s.plan, s._profile_dir)
+    if not s.plan.template_off:
+        options["template_socket"] = template_ready(s, progress)
+    s.engines.set_id = in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
+    s.engines.how = launch_note(s, s.engines.cluster.engines[s.engines.set_id])
+    return wait_for_engines(s, progress, known)
+
+
+def launch_standby(s) -> None:
+    """Fork the spare engines (see Standby) without waiting for them: the launch runs on
+    the session's loop while the user goes on."""
+    import asyncio
+
+    from . import launchers
+
+    if s.plan.template_off or not template_alive(s) or s.engines.standby is not None:
+        return
+    with s.engines.lock:
+        known = set(s.engines.client.ids)
+    options = launchers.engine_options(s.plan, s._profile_dir)
+    options["template_socket"] = launchers.template_socket(s._profile_dir)
+    launch = asyncio.run_coroutine_threadsafe(
+        s.engines.cluster.start_engines(s.world_size, **options), s.engines.loop
+    )
+    s.engines.standby = Standby(launch, known, s.engines.template)
+
+
+STANDBY_WAIT_S = 30.0  # for spare engines still registering; then new ones are forked
+
+
+def take_standby(s, progress: Progress | None) -> list[int] | None:
+    """The spare engines' ids, now the ranks' set; None (and the spares ended) when there
+    are none, or they are not all there: forked by a template since replaced, or one died."""
+    standby, s.engines.standby = s.engines.standby, None
+    if standby is None:
+        return None
+    try:
+        set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
+        engine_set = s.engines.cluster.engines[set_id]
+        if standby.template is not s.engines.template or engine_set.state != "running":
+            raise RuntimeError("the spare engines' template is gone")
+        eids = wait_for_engines(s, progress, standby.known, timeout=STANDBY_WAIT_S)
+    except Exception as e:
+        log.warning("a hard restart forks new engines: the spare ones are unusable (%s)", e)
+        end_standby(s, standby)
+        return None
+    s.engines.set_id = set_id
+    s.engines.how = launch_note(s, engine_set) + ", ahead of this restart"
+    return eids
+
+
+def end_standby(s, standby: Standby) -> None:
+    """Kill the spare engines (by the pids their launcher recorded) and drop their set."""
+    try:
+        set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
+    except Exception:
+        return  # never launched: nothing of it runs
+    stop_engine_sets(s, [set_id])
 
 
 def ensure_template(s) -> None:
@@ -552,15 +625,42 @@ def stop_controller(s) -> None:
     s.engines.cluster = None
 
 
-def stop_engines(s) -> None:
-    """The engines only: a hard restart keeps the controller and the client."""
+def stop_engines(s, keep_standby: bool = False) -> None:
+    """The engines only: a hard restart keeps the controller and the client (and the spare
+    engines it is about to use)."""
     engines = supervision.kill_engines(s)  # see supervision.kill_engines
-    if s.engines.cluster is not None:
-        try:
-            in_loop(s, s.engines.cluster.stop_engines())
-        except Exception as e:
-            log.warning("stopping the engines: %s", e)
+    standby, s.engines.standby = s.engines.standby, None
+    if keep_standby:
+        s.engines.standby = standby
+    elif standby is not None:
+        end_standby(s, standby)
+    cluster = s.engines.cluster
+    if cluster is not None:
+        stop_engine_sets(s, [s.engines.set_id] if keep_standby else list(cluster.engines))
     psutil.wait_procs(engines, timeout=5)
+
+
+def stop_engine_sets(s, set_ids: list[str]) -> None:
+    """These engine sets: their local processes killed at once (see
+    supervision.kill_engines; psutil checks each one's start time), then stopped by
+    ipyparallel."""
+    cluster = s.engines.cluster
+    if cluster is None:
+        return
+    procs = [
+        launcher.process
+        for set_id in set_ids
+        for launcher in getattr(cluster.engines.get(set_id), "launchers", {}).values()
+        if getattr(launcher, "process", None) is not None
+    ]
+    supervision.kill(procs)
+    for set_id in set_ids:
+        if set_id in cluster.engines:
+            try:
+                in_loop(s, cluster.stop_engines(set_id))
+            except Exception as e:
+                log.warning("stopping the engines: %s", e)
+    psutil.wait_procs(procs, timeout=5)
 
 
 class EnginesExited(RuntimeError):

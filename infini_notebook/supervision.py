@@ -184,12 +184,17 @@ def kill_engines(s) -> list[psutil.Process]:
     1 anyway): stop took 11.6 s at 16 ranks. Only the pids we recorded, checked by start
     time (a recycled pid is safe)."""
     procs = list(s.engines.pids.values())
+    kill(procs)
+    return procs
+
+
+def kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL each (psutil refuses a pid reused since its Process was made)."""
     for proc in procs:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    return procs
 
 
 def kill_leftovers(s) -> None:

@@ -66,9 +66,22 @@ class TemplateEngineLauncher(LocalEngineLauncher):
         try:
             exit_code = self.wait_exit()
         except (TemplateUnavailable, ConnectionError, OSError):
-            pass
+            self.wait_orphan()
         stop_data = dict(exit_code=exit_code, pid=self.pid, identifier=self.identifier)
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    def wait_orphan(self) -> None:
+        """The template died before the engine: until the engine (now init's child) ends
+        too; its exit code went with the template. Reporting it stopped while it runs lost
+        ipyparallel's hold of it (a spare engine outlived its session)."""
+        while not self._stop_waiting.is_set():
+            try:
+                self.process.wait(timeout=1.0)
+                return
+            except psutil.TimeoutExpired:
+                continue
+            except psutil.Error:
+                return
 
     def wait_exit(self) -> int | None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

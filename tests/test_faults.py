@@ -298,7 +298,8 @@ except TimeoutError:
 except Exception as e:  # e.g. an unsigned reply: the hub answered
     print("hub answered a forged key:", repr(e))
 honest = ipp.Client(info, timeout=30)
-print("honest client ran on", len(honest[:].apply_sync(os.getpid)), "engines")
+ran = len(honest[:].apply_sync(os.getpid))  # the ranks, and spares a hard restart left
+print("honest client ran on", "every engine" if ran == len(honest.ids) >= 4 else ran)
 honest.session.key = b"not-the-key"  # same sockets, messages now signed wrongly
 try:
     honest[:].apply_async(os.getpid).get(timeout=3)
@@ -316,7 +317,7 @@ def test_messages_with_a_wrong_signature_are_dropped(kernel):
     out = text_of(kernel.run(FORGE, timeout=120))
     assert "scheme hmac-sha256 key set True" in out
     assert "hub ignored a forged key" in out
-    assert "honest client ran on 4 engines" in out
+    assert "honest client ran on every engine" in out
     assert "engines ignored a forged message" in out
     # the session itself is untouched
     assert "[rank 3] ok" in text_of(kernel.run("%%dist\nprint('ok')"))

@@ -52,6 +52,18 @@ def test_forked_engines_share_the_templates_heap_and_can_still_import_debugpy(se
         assert frozen > 100_000  # torch alone makes several hundred thousand objects
 
 
+# The spare engines a hard restart leaves for the next one (processes.Standby), once forked
+# and registered: their pids.
+SPARES = """\
+import time
+_spare = dist_session.engines.standby
+_launchers = dist_session.engines.cluster.engines[_spare.launch.result(60)].launchers.values()
+while len(set(dist_session.engines.client.ids) - _spare.known) < 2:
+    time.sleep(0.05)
+print(sorted(_l.process.pid for _l in _launchers))"""
+RANK_PIDS = "print(sorted(p.pid for p in dist_session.engines.pids.values()))"
+
+
 def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     use_session(kernel, TWO)
     say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
@@ -59,15 +71,30 @@ def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     kernel.run("%dist_restart --hard", timeout=180)
     kept, how = text_of(kernel.run(say)).split(" ", 1)
     assert kept == first and FORKED in how  # the same template, warm: no new import
-    psutil.Process(int(first)).send_signal(signal.SIGKILL)
+    spares = text_of(kernel.run(SPARES)).strip()  # forked for the next hard restart
+    before = text_of(kernel.run(RANK_PIDS)).strip()
+    assert spares != before and len(eval(spares)) == 2
+
+    kernel.run("%dist_restart --hard", timeout=180)  # the spares become the ranks
+    assert text_of(kernel.run(RANK_PIDS)).strip() == spares
+    assert "ahead of this restart" in text_of(kernel.run(say))
+    assert not any(psutil.pid_exists(p) for p in eval(before))
+    out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
+    assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
+
+    spares = [psutil.Process(p) for p in eval(text_of(kernel.run(SPARES)))]  # again, and
+    psutil.Process(int(first)).send_signal(signal.SIGKILL)  # then the template dies
     kernel.run("%dist_restart --hard", timeout=180)
     new, how = text_of(kernel.run(say)).split(" ", 1)
-    assert new != first and FORKED in how
+    assert new != first and FORKED in how and "ahead" not in how
+    assert psutil.wait_procs(spares, timeout=15)[1] == []  # unusable: ended, not left over
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
     status = text_of(kernel.run("%dist_status"))
     assert "2 ranks: 2 idle · warm template RSS" in status  # its memory is reported
+    kernel.run(SPARES)  # the new template's spares exist: stop must end them too
     procs = psutil.Process(int(new)).children(recursive=True) + [psutil.Process(int(new))]
+    assert len(procs) == 1 + 4 * 2  # the template, engines and nannies: ranks and spares
     kernel.run("%dist_stop")
     assert psutil.wait_procs(procs, timeout=15)[1] == []
 
