@@ -9,7 +9,8 @@ imported torch already, as a notebook that made a tensor has):
    engines forked from a template warmed beforehand (as ``%load_ext`` does, timed once it is
    ready), from the session's own template, and, with ``no_template=True``, started the usual
    way;
-2. hard restart -> first collective at 4 ranks, both ways;
+2. hard restart -> first collective at 4 ranks, both ways: a session's first, and (template)
+   a later one, once the spare engines the first one left have registered;
 3. push of one tensor of ``--mb`` MB to 4 local ranks, pull of 4 such tensors;
 4. stop at the largest size.
 Targets (issue 22): start <= 3x import at 16 ranks and <= 1.5x at 4; hard restart <= 0.5x
@@ -54,6 +55,16 @@ def start(n: int, how: str) -> tuple[float, infini_notebook.Session]:
     session = infini_notebook.start(nprocs=n, no_template=how == NO_TEMPLATE)
     session.run(ALL_REDUCE, echo=False)
     return time.perf_counter() - t0, session
+
+
+def spares_ready(session) -> None:
+    """Until the spare engines the last hard restart forks (processes.Standby) registered."""
+    spare = session.engines.standby
+    if spare is None:
+        return
+    spare.launch.result(timeout=120)
+    while len(set(session.engines.client.ids) - spare.known) < session.world_size:
+        time.sleep(0.01)
 
 
 def warmed_profile() -> str:
@@ -120,10 +131,16 @@ def main() -> None:
 
 
 def four_ranks(session, how: str, tensor, imp: float, pick: float, args) -> list:
-    restart = min(hard_restart(session) for _ in range(args.repeats))
+    first = hard_restart(session)
+    later = []
+    for _ in range(args.repeats):
+        spares_ready(session)  # a user's pause between restarts
+        later.append(hard_restart(session))
     push, pull = push_pull(session, tensor)
-    return [
-        (f"hard restart -> first collective, 4 ranks, {how}", restart, imp, 0.5),
+    rows = [(f"first hard restart -> first collective, 4 ranks, {how}", first, imp, 0.5)]
+    if how == TEMPLATE:
+        rows.append((f"later hard restart (spare engines), 4 ranks, {how}", min(later), imp, 0.5))
+    return rows + [
         (f"push {args.mb} MB to 4 ranks, {how} (of pickling)", push, pick, 3.0),
         (f"pull 4 x {args.mb} MB, {how} (of pickling)", pull, pick, 3.0),
     ]
