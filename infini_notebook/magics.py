@@ -150,7 +150,8 @@ class DistMagics(Magics):
         """Rebuild the process groups under a fresh store prefix, keeping variables.
 
         Use after a failed or timed-out collective. --hard restarts the engines themselves,
-        for a dead rank or one stuck in native code.
+        for a dead rank or one stuck in native code; it leaves a spare engine per rank, so
+        that the next one only has to set them up.
         """
         args = parse_argstring(self.dist_restart, line)
         from . import viz
@@ -162,6 +163,11 @@ class DistMagics(Magics):
         )
         how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
         print(f"Restarted ({how}) in {time.perf_counter() - t0:.2f}s.")
+        if args.hard and session.engines.standby is not None:
+            print(
+                f"{session.world_size} spare engines are being forked for the next hard "
+                "restart (%dist_stop ends them with the session)."
+            )
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to show (default all)")

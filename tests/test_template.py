@@ -68,7 +68,8 @@ def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     use_session(kernel, TWO)
     say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
     first = text_of(kernel.run(say)).split()[0]
-    kernel.run("%dist_restart --hard", timeout=180)
+    said = text_of(kernel.run("%dist_restart --hard", timeout=180))
+    assert "2 spare engines are being forked for the next hard restart" in said
     kept, how = text_of(kernel.run(say)).split(" ", 1)
     assert kept == first and FORKED in how  # the same template, warm: no new import
     spares = text_of(kernel.run(SPARES)).strip()  # forked for the next hard restart
