@@ -425,6 +425,10 @@ class Session:
         None. Its pages are shared with every engine forked from it until one writes them."""
         return processes.template_rss(self)
 
+    def spare_engines(self) -> int:
+        """How many engines wait for the next hard restart (see processes.Standby)."""
+        return processes.spare_count(self)
+
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return (

@@ -179,6 +179,15 @@ def take_standby(s, progress: Progress | None) -> list[int] | None:
     return eids
 
 
+def spare_count(s) -> int:
+    """The spare engines launched and still running (0 while they are being forked)."""
+    standby = s.engines.standby
+    if standby is None or not standby.launch.done() or standby.launch.exception():
+        return 0
+    engine_set = s.engines.cluster.engines.get(standby.launch.result())
+    return len(getattr(engine_set, "launchers", {}))
+
+
 def end_standby(s, standby: Standby) -> None:
     """Kill the spare engines (by the pids their launcher recorded) and drop their set."""
     try:

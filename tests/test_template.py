@@ -94,6 +94,8 @@ def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     status = text_of(kernel.run("%dist_status"))
     assert "2 ranks: 2 idle · warm template RSS" in status  # its memory is reported
     kernel.run(SPARES)  # the new template's spares exist: stop must end them too
+    status = text_of(kernel.run("%dist_status"))
+    assert "· 2 spare engines for the next hard restart" in status
     procs = psutil.Process(int(new)).children(recursive=True) + [psutil.Process(int(new))]
     assert len(procs) == 1 + 4 * 2  # the template, engines and nannies: ranks and spares
     kernel.run("%dist_stop")

@@ -197,6 +197,8 @@ def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     assert viz.status_summary(stuck) == "4 ranks: 1 busy, 2 stuck, 1 dead"
     with_template = viz.status_summary(states, template_rss=300 * 2**20)
     assert with_template == "4 ranks: 2 busy, 1 error, 1 idle · warm template RSS 300.0 MiB"
+    with_spares = viz.status_summary(states, template_rss=300 * 2**20, spares=4)
+    assert with_spares.endswith("300.0 MiB · 4 spare engines for the next hard restart")
     text = viz.status_text(states, ParallelLayout(4, tp=2))
     assert re.search(r"3\s+error\s+tp1 dp1\s+node0\s+103\s+cpu", text)
 

@@ -33,6 +33,8 @@ class StatusSource(Protocol):
 
     def template_rss(self) -> int | None: ...  # optional: the warm template's memory
 
+    def spare_engines(self) -> int: ...  # optional: engines kept for the next hard restart
+
 
 class StatusWidget(widgets.VBox):
     """Live rank tiles for a session: a daemon thread polls ``session.status()`` every
@@ -74,7 +76,7 @@ class StatusWidget(widgets.VBox):
                 self._busy_since.pop(rs.rank, None)
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
-        summary = status_summary(states, _template_rss(self.session))
+        summary = status_summary(states, *_helpers(self.session))
         self.summary.value = f'<div class="infini-title">{esc(summary)}</div>'
         return states
 
@@ -112,15 +114,18 @@ class StatusWidget(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs) -> dict:
         states = self.session.status()
         bundle = super()._repr_mimebundle_(**kwargs) or {}
-        rss = _template_rss(self.session)
-        bundle["text/html"] = status_html(states, self.layout_, rss)
-        bundle["text/plain"] = status_text(states, self.layout_, rss)
+        helpers = _helpers(self.session)
+        bundle["text/html"] = status_html(states, self.layout_, *helpers)
+        bundle["text/plain"] = status_text(states, self.layout_, *helpers)
         return bundle
 
 
-def _template_rss(session: StatusSource) -> int | None:
+def _helpers(session: StatusSource) -> tuple[int | None, int]:
+    """The warm template's memory and the number of spare engines, where the session
+    tells them."""
     rss = getattr(session, "template_rss", None)
-    return rss() if rss is not None else None
+    spares = getattr(session, "spare_engines", None)
+    return (rss() if rss is not None else None), (spares() if spares is not None else 0)
 
 
 def _session_layout(session: StatusSource) -> ParallelLayout | None:
@@ -158,11 +163,11 @@ def session_mimebundle(session: StatusSource) -> dict:
     if in_kernel() and session.running:
         bundle = status_widget(session)._repr_mimebundle_()
     else:
-        states, rss = session.status(), _template_rss(session)
+        states, helpers = session.status(), _helpers(session)
         layout = _session_layout(session)
         bundle = {
-            "text/html": status_html(states, layout, rss),
-            "text/plain": status_text(states, layout, rss),
+            "text/html": status_html(states, layout, *helpers),
+            "text/plain": status_text(states, layout, *helpers),
         }
     bundle["text/plain"] = f"{header}\n{bundle['text/plain']}"
     return bundle

@@ -84,9 +84,11 @@ def status_tile_html(
     )
 
 
-def status_summary(states: Sequence[RankState], template_rss: int | None = None) -> str:
-    """``4 ranks: 2 busy, 2 idle``, and the warm template's memory while it runs
-    (``· warm template RSS 310.2 MiB``)."""
+def status_summary(
+    states: Sequence[RankState], template_rss: int | None = None, spares: int = 0
+) -> str:
+    """``4 ranks: 2 busy, 2 idle``, the warm template's memory while it runs
+    (``· warm template RSS 310.2 MiB``) and the spare engines a hard restart left."""
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
@@ -94,18 +96,20 @@ def status_summary(states: Sequence[RankState], template_rss: int | None = None)
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
-    return f"{len(states)} ranks: " + ", ".join(parts) + template
+    spare = f" · {spares} spare engines for the next hard restart" if spares else ""
+    return f"{len(states)} ranks: " + ", ".join(parts) + template + spare
 
 
 def status_html(
     states: Sequence[RankState],
     layout: ParallelLayout | None = None,
     template_rss: int | None = None,
+    spares: int = 0,
 ) -> str:
     tiles = "".join(status_tile_html(rs, layout) for rs in states)
     cols = grid_shape(layout).ncols if layout is not None else 4
     grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
-    summary = status_summary(states, template_rss)
+    summary = status_summary(states, template_rss, spares)
     return (
         f'{CSS}<div class="infini-status"><div class="infini-title">'
         f'{esc(summary)}</div><div style="{grid}">{tiles}</div></div>'
@@ -116,8 +120,9 @@ def status_text(
     states: Sequence[RankState],
     layout: ParallelLayout | None = None,
     template_rss: int | None = None,
+    spares: int = 0,
 ) -> str:
-    rows = [status_summary(states, template_rss)]
+    rows = [status_summary(states, template_rss, spares)]
     rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
     for rs in states:
         coords = coords_label(rs.coords, layout)
