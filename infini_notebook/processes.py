@@ -169,6 +169,8 @@ def take_standby(s, progress: Progress | None) -> list[int] | None:
         engine_set = s.engines.cluster.engines[set_id]
         if standby.template is not s.engines.template or engine_set.state != "running":
             raise RuntimeError("the spare engines' template is gone")
+        if len(engine_set.launchers) < s.world_size:  # its launcher saw one end
+            raise RuntimeError("a spare engine ended")
         eids = wait_for_engines(s, progress, standby.known, timeout=STANDBY_WAIT_S)
     except Exception as e:
         log.warning("a hard restart forks new engines: the spare ones are unusable (%s)", e)

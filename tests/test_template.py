@@ -83,6 +83,16 @@ def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
 
+    spares = [psutil.Process(p) for p in eval(text_of(kernel.run(SPARES)))]  # one dies:
+    spares[0].kill()
+    psutil.wait_procs(spares[:1], timeout=15)
+    said = text_of(kernel.run("%dist_restart --hard", timeout=180))
+    assert "ahead" not in text_of(kernel.run(say))  # new engines, at once (no wait for it)
+    assert float(said.split(" in ")[1].split("s.")[0]) < 10, said
+    assert psutil.wait_procs(spares, timeout=15)[1] == []  # its sibling is not left over
+    out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
+    assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
+
     spares = [psutil.Process(p) for p in eval(text_of(kernel.run(SPARES)))]  # again, and
     psutil.Process(int(first)).send_signal(signal.SIGKILL)  # then the template dies
     kernel.run("%dist_restart --hard", timeout=180)
