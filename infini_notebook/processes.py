@@ -652,9 +652,10 @@ def stop_engines(s, keep_standby: bool = False) -> None:
 
 
 def stop_engine_sets(s, set_ids: list[str]) -> None:
-    """These engine sets: their local processes killed at once (see
+    """These engine sets: their engines killed at once when they are local forks (see
     supervision.kill_engines; psutil checks each one's start time), then stopped by
-    ipyparallel."""
+    ipyparallel. Other launchers' processes (mpiexec, ssh, srun) are left to ipyparallel's
+    stop: killed outright, they could not end the engines they started elsewhere."""
     cluster = s.engines.cluster
     if cluster is None:
         return
@@ -662,7 +663,7 @@ def stop_engine_sets(s, set_ids: list[str]) -> None:
         launcher.process
         for set_id in set_ids
         for launcher in getattr(cluster.engines.get(set_id), "launchers", {}).values()
-        if getattr(launcher, "process", None) is not None
+        if not s.plan.template_off and getattr(launcher, "process", None) is not None
     ]
     supervision.kill(procs)
     for set_id in set_ids:
