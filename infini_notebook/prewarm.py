@@ -44,18 +44,18 @@ _warmed: Warmed | None = None
 _lock = threading.Lock()
 
 
-def warm() -> bool:
+def warm() -> None:
     """Start a template for the next session unless one is warm already or engines are not
-    forked on this platform (see plan.template_off). True when one is warm."""
+    forked on this platform (see plan.template_off)."""
     global _warmed
     if sys.platform != "linux":
-        return False
+        return
     from . import launchers, supervision, template_client
     from .watchdog import FOLDER_PREFIX
 
     with _lock:
         if _warmed is not None and template_client.alive(_warmed.template):
-            return True
+            return
         discard_locked()
         created = time.time()
         workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
@@ -69,8 +69,6 @@ def warm() -> bool:
             os.path.join(workdir, "template.log"),
         )
         _warmed = Warmed(workdir, created, template, env, watchdog)
-    atexit.register(discard)
-    return True
 
 
 def take(env: dict) -> Warmed | None:
@@ -91,9 +89,11 @@ def take(env: dict) -> Warmed | None:
 
 def same_interpreter(a: dict, b: dict) -> bool:
     """Whether two environments start the same interpreter, up to what each plan sets."""
-    return {k: v for k, v in a.items() if k not in PER_PLAN} == {
-        k: v for k, v in b.items() if k not in PER_PLAN
-    }
+
+    def shared(env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in PER_PLAN}
+
+    return shared(a) == shared(b)
 
 
 def warm_template() -> psutil.Process | None:
@@ -108,6 +108,9 @@ def discard() -> None:
         discard_locked()
 
 
+atexit.register(discard)  # once: an orderly exit of the kernel ends a template nobody took
+
+
 def discard_locked() -> None:
     global _warmed
     warmed, _warmed = _warmed, None
@@ -116,10 +119,9 @@ def discard_locked() -> None:
 
 
 def end(warmed: Warmed) -> None:
+    from .supervision import stop_watchdog
     from .watchdog import end_all, remove_session_folder
 
     end_all([warmed.template], grace=0)
-    if warmed.watchdog.poll() is None:
-        warmed.watchdog.terminate()
-        warmed.watchdog.wait(5)
+    stop_watchdog(warmed.watchdog)
     remove_session_folder(warmed.workdir)

@@ -46,10 +46,16 @@ def spawn_watchdog(profile_dir: str, since: float):
 
 
 def end_watchdog(s) -> None:
-    if s._watchdog is not None and s._watchdog.poll() is None:
-        s._watchdog.terminate()
-        s._watchdog.wait(5)
+    if s._watchdog is not None:
+        stop_watchdog(s._watchdog)
     s._watchdog = None
+
+
+def stop_watchdog(watchdog) -> None:
+    """End a watchdog (its Popen) that is no longer needed."""
+    if watchdog.poll() is None:
+        watchdog.terminate()
+        watchdog.wait(5)
 
 
 def still_stuck(s) -> set[int]:
