@@ -58,7 +58,7 @@ def start(n: int, how: str) -> tuple[float, infini_notebook.Session]:
 
 
 def spares_ready(session) -> None:
-    """Until the spare engines the last hard restart forks (processes.Standby) registered."""
+    """Until the spare engines the last hard restart forks (engine_sets.Standby) registered."""
     spare = session.engines.standby
     if spare is None:
         return

@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from . import engine, execution, launchers, prewarm, processes, supervision, transfer
+from . import engine, engine_sets, execution, launchers, prewarm, processes, supervision, transfer
 from .engine import KERNEL_MARK
 from .errors import DistCellError, DistInterrupted, DistUsageError
 from .execution import Printer
@@ -156,7 +156,7 @@ class Session:
             raise
         except Exception as e:  # a launcher, ssh, an engine or the controller failed
             self.stop()
-            raise processes.start_error(self.plan, e) from None
+            raise engine_sets.start_error(self.plan, e) from None
         self.running = True
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
@@ -165,7 +165,7 @@ class Session:
     def _launch(self, progress: Progress | None) -> None:
         """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
         supervision.start_watchdog(self)
-        processes.start_engines(self, progress)
+        engine_sets.start_engines(self, progress)
         processes.bootstrap(self, progress)
 
     @property
@@ -190,7 +190,7 @@ class Session:
         global _current
         self.running = False
         remote_folders = processes.remote_folder_removers(self)  # before the engines go
-        processes.stop_processes(self)
+        engine_sets.stop_processes(self)
         processes.remove_remote_folders(self, remote_folders)
         supervision.end_watchdog(self)  # last: it covers a kernel killed while the rest stops
         if self.engines.loop is not None:
@@ -256,8 +256,8 @@ class Session:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
         # A running controller stays (see ensure_controller), and spare engines forked
-        # after the last hard restart become the ranks (see processes.Standby).
-        processes.stop_engines(self, keep_standby=True)
+        # after the last hard restart become the ranks (see engine_sets.Standby).
+        engine_sets.stop_engines(self, keep_standby=True)
         remove_shared_files(self._workdir)
         self.engines.pids, self._errored, self._stuck = {}, set(), set()
         try:
@@ -275,7 +275,7 @@ class Session:
                 getattr(e, "ranks", []),
             ) from None
         self.running = True
-        processes.launch_standby(self)
+        engine_sets.launch_standby(self)
 
     # ----- running code -------------------------------------------------------------------
     def run(
@@ -423,11 +423,11 @@ class Session:
     def template_rss(self) -> int | None:
         """The warm template's resident memory while it runs (engines fork from it), else
         None. Its pages are shared with every engine forked from it until one writes them."""
-        return processes.template_rss(self)
+        return engine_sets.template_rss(self)
 
     def spare_engines(self) -> int:
-        """How many engines wait for the next hard restart (see processes.Standby)."""
-        return processes.spare_count(self)
+        """How many engines wait for the next hard restart (see engine_sets.Standby)."""
+        return engine_sets.spare_count(self)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -1,7 +1,7 @@
-"""The session's processes: the TCPStore hosted in the kernel, the ipyparallel controller
-and engines (start, wait, bootstrap, stop), and the client plumbing every call goes through
-(its event loop, views, gathering replies, purging finished work). Plain functions taking
-the Session."""
+"""The session's processes and the plumbing to them: the TCPStore hosted in the kernel, the
+ipyparallel controller, bootstrapping the ranks on their engines (engine_sets.py starts and
+stops those), and the client every call goes through (its event loop, views, gathering
+replies, purging finished work). Plain functions taking the Session."""
 
 from __future__ import annotations
 
@@ -51,19 +51,7 @@ class Engines:
     template_env: dict = field(default_factory=dict)  # the environment it started with
     how: str = ""  # how the last engines came up (see launch_note)
     set_id: str = ""  # the ranks' engine set (ipyparallel's), stopped by a hard restart
-    standby: Standby | None = None  # engines forked ahead for the next hard restart
-
-
-@dataclass
-class Standby:
-    """A spare engine per rank, forked from the template after a hard restart and left idle,
-    registered with the controller: the next hard restart makes them the ranks instead of
-    forking and waiting for new ones (the engines' start is most of a hard restart). A
-    session that needed one hard restart is likely to need another."""
-
-    launch: Any  # concurrent.futures.Future of the engine set's id (the launch runs on the loop)
-    known: set[int]  # the engine ids registered before it, which are not its
-    template: psutil.Process  # the template it forked from: a replaced one ended it
+    standby: Any = None  # engine_sets.Standby: engines forked ahead for the next hard restart
 
 
 def start_store(s) -> None:
@@ -101,183 +89,6 @@ def start_store(s) -> None:
             f"Cannot host the rendezvous store on {host}:{port} ({e}). "
             "Pick a free port, or use the default env:// init method."
         ) from None
-
-
-def start_engines(s, progress: Progress | None) -> None:
-    """The controller (unless it still runs: a hard restart keeps it), then the engines,
-    each mapped to its rank."""
-    from . import launchers  # imports ipyparallel's launchers
-
-    ensure_template(s)  # first: its imports overlap the controller's start
-    ensure_controller(s)
-    eids = take_standby(s, progress) or launch_engines(s, progress)
-    ar = s.engines.client[eids].apply_async(engine.identity)
-    identities = ar.get_dict(timeout=60)
-    forget(s, ar.msg_ids)
-    s.engines.eids = launchers.assign_ranks(identities, s.plan)
-    launchers.check_placement([identities[e] for e in s.engines.eids], s.plan)
-    # Known from now on, so that a failed bootstrap can stop every engine at once.
-    for r, eid in enumerate(s.engines.eids):
-        proc = own_process(s, identities[eid]["pid"])
-        if proc is not None:
-            s.engines.pids[r] = proc
-
-
-def launch_engines(s, progress: Progress | None) -> list[int]:
-    """One new engine per rank; their ids once all registered."""
-    from . import launchers
-
-    known = set(s.engines.client.ids)  # a hard restart's old engines may linger there a moment
-    options = launchers.engine_options(s.plan, s._profile_dir)
-    if not s.plan.template_off:
-        options["template_socket"] = template_ready(s, progress)
-    s.engines.set_id = in_loop(s, s.engines.cluster.start_engines(s.world_size, **options))
-    s.engines.how = launch_note(s, s.engines.cluster.engines[s.engines.set_id])
-    return wait_for_engines(s, progress, known)
-
-
-def launch_standby(s) -> None:
-    """Fork the spare engines (see Standby) without waiting for them: the launch runs on
-    the session's loop while the user goes on."""
-    import asyncio
-
-    from . import launchers
-
-    if s.plan.template_off or not template_alive(s) or s.engines.standby is not None:
-        return
-    with s.engines.lock:
-        known = set(s.engines.client.ids)
-    options = launchers.engine_options(s.plan, s._profile_dir)
-    options["template_socket"] = launchers.template_socket(s._profile_dir)
-    launch = asyncio.run_coroutine_threadsafe(
-        s.engines.cluster.start_engines(s.world_size, **options), s.engines.loop
-    )
-    s.engines.standby = Standby(launch, known, s.engines.template)
-
-
-STANDBY_WAIT_S = 30.0  # for spare engines still registering; then new ones are forked
-
-
-def take_standby(s, progress: Progress | None) -> list[int] | None:
-    """The spare engines' ids, now the ranks' set; None (and the spares ended) when there
-    are none, or they are not all there: forked by a template since replaced, or one died."""
-    standby, s.engines.standby = s.engines.standby, None
-    if standby is None:
-        return None
-    try:
-        set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
-        engine_set = s.engines.cluster.engines[set_id]
-        if standby.template is not s.engines.template or engine_set.state != "running":
-            raise RuntimeError("the spare engines' template is gone")
-        if len(engine_set.launchers) < s.world_size:  # its launcher saw one end
-            raise RuntimeError("a spare engine ended")
-        eids = wait_for_engines(s, progress, standby.known, timeout=STANDBY_WAIT_S)
-    except Exception as e:
-        log.warning("a hard restart forks new engines: the spare ones are unusable (%s)", e)
-        end_standby(s, standby)
-        return None
-    s.engines.set_id = set_id
-    s.engines.how = launch_note(s, engine_set) + ", ahead of this restart"
-    return eids
-
-
-def spare_count(s) -> int:
-    """The spare engines launched and still running (0 while they are being forked)."""
-    standby = s.engines.standby
-    if standby is None or not standby.launch.done() or standby.launch.exception():
-        return 0
-    engine_set = s.engines.cluster.engines.get(standby.launch.result())
-    return len(getattr(engine_set, "launchers", {}))
-
-
-def end_standby(s, standby: Standby) -> None:
-    """Kill the spare engines (by the pids their launcher recorded) and drop their set."""
-    try:
-        set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
-    except Exception:
-        return  # never launched: nothing of it runs
-    stop_engine_sets(s, [set_id])
-
-
-def ensure_template(s) -> None:
-    """Start the warm template (see template.py) unless the plan starts engines the usual
-    way or one already runs: a hard restart forks from the one the first start warmed.
-    The template starts with the engines' environment, so what an interpreter reads as it
-    starts (PYTHONPATH, LD_PRELOAD, an --env of the user's) is what a new engine would
-    read; a kernel whose environment changed since gets a new template."""
-    from . import launchers, template_client
-
-    if s.plan.template_off:
-        return
-    env = launchers.template_env(s.plan)
-    if template_alive(s) and s.engines.template_env == env:
-        return
-    end_template(s)
-    path = launchers.template_socket(s._profile_dir)
-    remove_quietly(path)  # a dead template's: a new one must not be taken as ready
-    s.engines.template = template_client.start_template(
-        env, s._profile_dir, path, os.path.join(s._workdir, "template.log")
-    )
-    s.engines.template_env = env
-
-
-def template_alive(s) -> bool:
-    from .template_client import alive
-
-    return s.engines.template is not None and alive(s.engines.template)
-
-
-def template_ready(s, progress: Progress | None) -> str:
-    """The template's socket once it listens; "" (engines start the usual way, and
-    ``launch_note`` says why) if it cannot fork: its log's last line is the reason."""
-    from . import launchers, template_client
-
-    path = launchers.template_socket(s._profile_dir)
-    if progress:
-        progress(0, s.world_size, "warming the template")
-    try:
-        template_client.wait_ready(s.engines.template, path)
-        return path
-    except template_client.TemplateUnavailable as e:
-        log.warning("engines start without the template: %s", e)
-        end_template(s)
-        return ""
-
-
-def template_rss(s) -> int | None:
-    try:
-        return s.engines.template.memory_info().rss if template_alive(s) else None
-    except psutil.Error:
-        return None
-
-
-def end_template(s) -> None:
-    """The template and what it forked that is still there: nannies outlive their engines
-    for a while (each tries for up to 3 s to tell the controller), which held a stop at 16
-    ranks for 1.5 s and slowed the controller's. Killed while the template still reaps."""
-    if s.engines.template is None:
-        return
-    from .watchdog import end_all
-
-    try:
-        forked = s.engines.template.children()
-    except psutil.Error:
-        forked = []
-    end_all(forked, grace=0)
-    end_all([s.engines.template], grace=0)
-    s.engines.template = None
-
-
-def launch_note(s, engine_set) -> str:
-    """How the engines came up, for %dist_start's line: forked, or why they were not."""
-    from .template_launcher import FORKED
-
-    if s.plan.template_off:
-        return f"engines started as new processes ({s.plan.template_off})"
-    reasons = sorted({why for why in engine_set.how() if why != FORKED})
-    if not reasons:
-        return "engines " + FORKED
-    return f"engines started as new processes ({'; '.join(reasons)})"
 
 
 def own_process(s, pid: int) -> psutil.Process | None:
@@ -389,42 +200,6 @@ def queue_status(s) -> dict[int, dict]:
     return util.int_keys(content)
 
 
-def wait_for_engines(
-    s, progress: Progress | None, known: set[int], timeout: float = 120
-) -> list[int]:
-    """The ids of the world_size engines that registered after ``known`` were there."""
-    deadline = time.monotonic() + timeout
-    note, asked = "engines up", 0.0
-    while len(new := sorted(set(s.engines.client.ids) - known)) < s.world_size:
-        if progress:
-            progress(len(new), s.world_size, note)
-        stopped = [es for es in s.engines.cluster.engines.values() if es.state == "after"]
-        if stopped:
-            raise EnginesExited(stopped[0])
-        if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
-            note, asked = check_batch_job(s) or note, time.monotonic()
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"only {len(new)} of {s.world_size} engines came up in {timeout}s ({note})"
-            )
-        time.sleep(0.05)
-    if progress:
-        progress(s.world_size, s.world_size, "engines up")
-    return new
-
-
-def check_batch_job(s) -> str | None:
-    """The batch job's state for the progress line (None for other launchers); raises
-    DistUsageError when the job will never bring its engines up (see slurm.py)."""
-    for es in s.engines.cluster.engines.values():
-        if hasattr(es, "start_check"):
-            problem, note = es.start_check()
-            if problem:
-                raise DistUsageError(problem)
-            return note
-    return None
-
-
 def rank_view(s, rank: int):
     """The ipyparallel view of one rank's engine."""
     return s.engines.client[s.engines.eids[rank]]
@@ -489,9 +264,7 @@ def bootstrap(s, progress: Progress | None = None) -> None:
     with s.engines.lock:
         pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
     failed = wait_for_bootstrap(s, pending, progress)
-    if failed is not None:
-        # The others wait for it in init_process_group until the timeout: stop them now.
-        stop_engines(s)
+    if failed is not None:  # the others wait for it until the timeout: the caller stops them
         raise bootstrap_error(s, failed, pending[failed])
     infos = gather(s, pending, what="start")
     record_ranks(s, infos)
@@ -599,16 +372,6 @@ def remove_remote_folders(s, launchers: list, timeout: float = 10) -> None:
         t.join(timeout)
 
 
-def stop_processes(s) -> None:
-    """Engines and controller (the store and the watchdog stay: see Session.stop)."""
-    close_client(s)
-    stop_engines(s)  # first: a controller stopped while ours die takes ~1.5 s longer
-    end_template(s)  # with the nannies it forked, before they talk to the controller
-    stop_controller(s)
-    supervision.kill_leftovers(s)
-    s.engines.pids = {}
-
-
 def close_client(s) -> None:
     with s.engines.lock:
         if s.engines.client is not None:
@@ -634,77 +397,6 @@ def stop_controller(s) -> None:
     for path in glob.glob(os.path.join(security, f"ipcontroller-{s.engines.cluster.cluster_id}-*")):
         remove_quietly(path)
     s.engines.cluster = None
-
-
-def stop_engines(s, keep_standby: bool = False) -> None:
-    """The engines only: a hard restart keeps the controller and the client (and the spare
-    engines it is about to use)."""
-    engines = supervision.kill_engines(s)  # see supervision.kill_engines
-    standby, s.engines.standby = s.engines.standby, None
-    if keep_standby:
-        s.engines.standby = standby
-    elif standby is not None:
-        end_standby(s, standby)
-    cluster = s.engines.cluster
-    if cluster is not None:
-        stop_engine_sets(s, [s.engines.set_id] if keep_standby else list(cluster.engines))
-    psutil.wait_procs(engines, timeout=5)
-
-
-def stop_engine_sets(s, set_ids: list[str]) -> None:
-    """These engine sets: their engines killed at once when they are local forks (see
-    supervision.kill_engines; psutil checks each one's start time), then stopped by
-    ipyparallel. Other launchers' processes (mpiexec, ssh, srun) are left to ipyparallel's
-    stop: killed outright, they could not end the engines they started elsewhere."""
-    cluster = s.engines.cluster
-    if cluster is None:
-        return
-    procs = [
-        launcher.process
-        for set_id in set_ids
-        for launcher in getattr(cluster.engines.get(set_id), "launchers", {}).values()
-        if not s.plan.template_off and getattr(launcher, "process", None) is not None
-    ]
-    supervision.kill(procs)
-    for set_id in set_ids:
-        if set_id in cluster.engines:
-            try:
-                in_loop(s, cluster.stop_engines(set_id))
-            except Exception as e:
-                log.warning("stopping the engines: %s", e)
-    psutil.wait_procs(procs, timeout=5)
-
-
-class EnginesExited(RuntimeError):
-    """Engines ended before registering; carries the tail of what they printed."""
-
-    def __init__(self, engine_set, lines: int = 20):
-        exits = (engine_set.stop_data or {}).get("engines", {})
-        failed = {i: d.get("exit_code") for i, d in exits.items() if d.get("exit_code")}
-        ident, code = next(iter(failed.items()), next(iter(exits.items()), ("?", None)))
-        more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
-        super().__init__(
-            f"engine {ident} exited while starting ({supervision.exit_description(code)}){more}"
-        )
-        try:
-            output = engine_set.get_output()
-        except Exception:
-            output = ""
-        self.output = "".join(output.splitlines(True)[-lines:])
-
-
-def start_error(plan: SessionPlan, e: Exception) -> DistCellError:
-    """What a failed start says: the cause (an engine's own output when it exited) and
-    advice that fits where the ranks run."""
-    place = plan.placement
-    cause = str(e) if isinstance(e, EnginesExited) else one_line(e)
-    output = getattr(e, "output", "").rstrip()
-    seen = " (its output is above)" if output else ""
-    return DistCellError(
-        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
-        f"{cause}{seen}. Nothing is left running. {start_advice(plan)}",
-        f"{output}\n" if output else "",
-    )
 
 
 def start_advice(plan: SessionPlan) -> str:

@@ -52,7 +52,7 @@ def test_forked_engines_share_the_templates_heap_and_can_still_import_debugpy(se
         assert frozen > 100_000  # torch alone makes several hundred thousand objects
 
 
-# The spare engines a hard restart leaves for the next one (processes.Standby), once forked
+# The spare engines a hard restart leaves for the next one (engine_sets.Standby), once forked
 # and registered: their pids.
 SPARES = """\
 import time
