@@ -123,6 +123,7 @@ class Session:
         self.last: CellResult | None = None
         self.running = False
         self._busy: set[int] = set()
+        self._idle_since = time.monotonic()  # when a rank was last busy (execution.idle_for)
         self._errored: set[int] = set()
         self._store = None
         self._keys = None  # the session's keys in _store (see processes.start_store)
@@ -158,6 +159,7 @@ class Session:
             self.stop()
             raise engine_sets.start_error(self.plan, e) from None
         self.running = True
+        engine_sets.plan_standby(self)  # spares for a first hard restart, once idle
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
@@ -255,8 +257,8 @@ class Session:
     def _restart_hard(self, progress: Progress | None) -> None:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
-        # A running controller stays (see ensure_controller), and spare engines forked
-        # after the last hard restart become the ranks (see engine_sets.Standby).
+        # A running controller stays (see ensure_controller), and the spare engines forked
+        # while the session was idle become the ranks (see engine_sets.Standby).
         engine_sets.stop_engines(self, keep_standby=True)
         remove_shared_files(self._workdir)
         self.engines.pids, self._errored, self._stuck = {}, set(), set()
@@ -275,7 +277,7 @@ class Session:
                 getattr(e, "ranks", []),
             ) from None
         self.running = True
-        engine_sets.launch_standby(self)
+        engine_sets.plan_standby(self)
 
     # ----- running code -------------------------------------------------------------------
     def run(

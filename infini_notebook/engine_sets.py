@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 
 import psutil
 
@@ -33,16 +34,23 @@ from .state import Progress
 log = logging.getLogger("infini_notebook")
 
 
+SPARES_AFTER_IDLE_S = 1.0  # no rank busy this long before spare engines are forked
+SPARES_POLL_S = 0.25
+
+
 @dataclass
 class Standby:
-    """A spare engine per rank, forked from the template after a hard restart and left idle,
-    registered with the controller: the next hard restart makes them the ranks instead of
-    forking and waiting for new ones (the engines' start is most of a hard restart). A
-    session that needed one hard restart is likely to need another."""
+    """A spare engine per rank, forked from the template once the session is idle and left
+    so, registered with the controller: the next hard restart makes them the ranks instead
+    of forking and waiting for new ones (the engines' start is most of a hard restart).
+    Forked only when no rank has been busy for SPARES_AFTER_IDLE_S: their start, about 0.1 s
+    of CPU each, would otherwise slow the user's first cells after a start or restart."""
 
-    launch: Any  # concurrent.futures.Future of the engine set's id (the launch runs on the loop)
-    known: set[int]  # the engine ids registered before it, which are not its
-    template: psutil.Process  # the template it forked from: a replaced one ended it
+    template: psutil.Process  # the template it forks from: a replaced one ended it
+    # The engine set's id once launched. Pending until the session is idle; cancelled then
+    # (by a hard restart or stop before that), it is never launched.
+    launch: Future = field(default_factory=Future)
+    known: set[int] = field(default_factory=set)  # engine ids registered before it: not its
 
 
 def start_engines(s, progress: Progress | None) -> None:
@@ -78,23 +86,49 @@ def launch_engines(s, progress: Progress | None) -> list[int]:
     return wait_for_engines(s, progress, known)
 
 
-def launch_standby(s) -> None:
-    """Fork the spare engines (see Standby) without waiting for them: the launch runs on
-    the session's loop while the user goes on."""
-    import asyncio
-
-    from . import launchers
-
+def plan_standby(s) -> None:
+    """Fork spare engines (see Standby) once the session is idle, without waiting for
+    them: the session's loop watches for the moment and runs the launch."""
     if s.plan.template_off or not template_alive(s) or s.engines.standby is not None:
         return
-    with s.engines.lock:
-        known = set(s.engines.client.ids)
+    standby = Standby(s.engines.template)
+    s.engines.standby = standby
+    since = time.monotonic()
+    s.engines.loop.call_soon_threadsafe(launch_when_idle, s, standby, since)
+
+
+def launch_when_idle(s, standby: Standby, since: float) -> None:
+    """On the session's loop: launch ``standby`` once no rank has been busy for
+    SPARES_AFTER_IDLE_S (nor since ``since``), or look again soon. Never blocks the loop:
+    the client's lock is only tried (its holder may be waiting for this loop)."""
+    import asyncio
+
+    from . import execution, launchers
+
+    if s.engines.standby is not standby or standby.launch.done():
+        return  # taken, ended or cancelled meanwhile
+    quiet = min(execution.idle_for(s), time.monotonic() - since)
+    if quiet < SPARES_AFTER_IDLE_S or not s.engines.lock.acquire(blocking=False):
+        s.engines.loop.call_later(SPARES_POLL_S, launch_when_idle, s, standby, since)
+        return
+    try:
+        if s.engines.client is None or not standby.launch.set_running_or_notify_cancel():
+            return
+        standby.known = set(s.engines.client.ids)
+    finally:
+        s.engines.lock.release()
     options = launchers.engine_options(s.plan, s._profile_dir)
     options["template_socket"] = launchers.template_socket(s._profile_dir)
-    launch = asyncio.run_coroutine_threadsafe(
-        s.engines.cluster.start_engines(s.world_size, **options), s.engines.loop
-    )
-    s.engines.standby = Standby(launch, known, s.engines.template)
+    task = asyncio.ensure_future(s.engines.cluster.start_engines(s.world_size, **options))
+    task.add_done_callback(partial(settle, standby.launch))
+
+
+def settle(future: Future, task) -> None:
+    """The launch task's outcome, to the future the kernel's threads wait on."""
+    if task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result(task.result())
 
 
 STANDBY_WAIT_S = 30.0  # for spare engines still registering; then new ones are forked
@@ -104,7 +138,7 @@ def take_standby(s, progress: Progress | None) -> list[int] | None:
     """The spare engines' ids, now the ranks' set; None (and the spares ended) when there
     are none, or they are not all there: forked by a template since replaced, or one died."""
     standby, s.engines.standby = s.engines.standby, None
-    if standby is None:
+    if standby is None or standby.launch.cancel():  # not forked yet: nothing to wait for
         return None
     try:
         set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
@@ -124,9 +158,11 @@ def take_standby(s, progress: Progress | None) -> list[int] | None:
 
 
 def spare_count(s) -> int:
-    """The spare engines launched and still running (0 while they are being forked)."""
+    """The spare engines launched and still running (0 until they are forked)."""
     standby = s.engines.standby
-    if standby is None or not standby.launch.done() or standby.launch.exception():
+    if standby is None or not standby.launch.done() or standby.launch.cancelled():
+        return 0
+    if standby.launch.exception() is not None:
         return 0
     engine_set = s.engines.cluster.engines.get(standby.launch.result())
     return len(getattr(engine_set, "launchers", {}))
@@ -134,6 +170,8 @@ def spare_count(s) -> int:
 
 def end_standby(s, standby: Standby) -> None:
     """Kill the spare engines (by the pids their launcher recorded) and drop their set."""
+    if standby.launch.cancel():
+        return  # never launched: nothing of it runs
     try:
         set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
     except Exception:

@@ -469,6 +469,14 @@ def set_busy(s, ranks, busy: bool) -> None:
             s._busy |= set(ranks)
         else:
             s._busy -= set(ranks)
+        s._idle_since = time.monotonic()
+
+
+def idle_for(s) -> float:
+    """Seconds since a rank was last busy (0 while one is): when background work, such as
+    forking spare engines (engine_sets.Standby), would slow nobody's cell."""
+    with s._lock:
+        return 0.0 if s._busy else time.monotonic() - s._idle_since
 
 
 @dataclass

@@ -150,8 +150,9 @@ class DistMagics(Magics):
         """Rebuild the process groups under a fresh store prefix, keeping variables.
 
         Use after a failed or timed-out collective. --hard restarts the engines themselves,
-        for a dead rank or one stuck in native code; it leaves a spare engine per rank, so
-        that the next one only has to set them up.
+        for a dead rank or one stuck in native code. The ranks become the spare engines the
+        session forked while idle (%dist_status counts them), so it only has to set them
+        up; the session forks new spares once it is idle again.
         """
         args = parse_argstring(self.dist_restart, line)
         from . import viz
@@ -163,11 +164,6 @@ class DistMagics(Magics):
         )
         how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
         print(f"Restarted ({how}) in {time.perf_counter() - t0:.2f}s.")
-        if args.hard and session.engines.standby is not None:
-            print(
-                f"{session.world_size} spare engines are being forked for the next hard "
-                "restart (%dist_stop ends them with the session)."
-            )
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to show (default all)")

@@ -48,7 +48,9 @@ class StartOptions:
         False,
         action="store_true",
         help="start each engine as a new process instead of forking it from a warm "
-        "template that has imported torch once (the default for the local launcher on Linux)",
+        "template that has imported torch once (the default for the local launcher on Linux; "
+        "it also forks a spare engine per rank while the session is idle, so that a hard "
+        "restart only has to set them up)",
     )
 
     @classmethod

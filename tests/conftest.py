@@ -93,18 +93,32 @@ print(getattr(_s, '_test_flags', None) == {flags!r} and _p.controller_running(_s
 del _c, _p, _s"""
 
 
+# Kernel code that waits until the spare engines the session forks once idle
+# (engine_sets.Standby) have registered, and prints their pids (nothing without spares).
+SPARES = """\
+import time as _time
+_spare = dist_session.engines.standby
+if _spare is not None:
+    _set = dist_session.engines.cluster.engines[_spare.launch.result(60)]
+    while len(set(dist_session.engines.client.ids) - _spare.known) < dist_session.world_size:
+        _time.sleep(0.05)
+    print(sorted(_l.process.pid for _l in _set.launchers.values()))"""
+
+
 def use_session(kernel: KernelCells, flags: str | None, timeout: int = 240) -> None:
     """Make ``kernel`` run a usable session started with ``%dist_start flags`` (None: no
     session), reusing the one a previous test left when it matches, so every test passes
     alone and in any order without paying for a start each time. A rank in state 'error'
     (its last cell raised) is usable; a busy, stuck or dead one, or a dead controller
-    (a test that failed after killing it), is not."""
-    if flags is not None and text_of(kernel.run(_PROBE.format(flags=flags))).strip() == "True":
-        return
-    kernel.run("%dist_stop", allow_error=True)
-    if flags is not None:
+    (a test that failed after killing it), is not. Returns once the session's spare engines
+    are there: forked while a test runs, they would change the processes it counts."""
+    if flags is None or text_of(kernel.run(_PROBE.format(flags=flags))).strip() != "True":
+        kernel.run("%dist_stop", allow_error=True)
+        if flags is None:
+            return
         kernel.run(f"%dist_start {flags}", timeout=timeout)
         kernel.run(f"dist_session._test_flags = {flags!r}")
+    kernel.run(SPARES, timeout=90)
 
 
 # Kernel code that SIGKILLs the session's controller and returns once it is dead: kill()

@@ -150,12 +150,18 @@ def test_stop_leaves_no_process_running(kernel):
 
 def test_hard_restart_and_stop_end_every_process_they_started(kernel):
     kernel.run("%dist_stop", allow_error=True)  # whatever an earlier test left running
-    kernel.run("%dist_start --nprocs 4", timeout=180)
+    # Listed in the same cell as the start: before the spare engines the session forks once
+    # idle, which the hard restart may make the ranks.
+    started = kernel.run(
+        'get_ipython().run_line_magic("dist_start", "--nprocs 4")\n'
+        "import psutil\nprint([p.pid for p in psutil.Process().children(recursive=True)])",
+        timeout=180,
+    )
     # a hard restart keeps the watchdog, the controller (new engines register with it) and
     # the warm template (new engines fork from it); every engine and nanny is new
     kept = ("infini_notebook.watchdog", "infini_notebook.controller")
     template = int(text_of(kernel.run("print(dist_session.engines.template.pid)")))
-    before = kernel_children(kernel)
+    before = [psutil.Process(p) for p in eval(text_of(started).strip().splitlines()[-1])]
     first = [p for p in before if not any(k in _cmd(p) for k in kept) and p.pid != template]
     controller = {p.pid for p in before if "infini_notebook.controller" in _cmd(p)}
     assert len(first) >= 8 and controller  # 4 engines and their nannies

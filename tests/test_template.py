@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import psutil
-from conftest import fresh_kernel, text_of, use_session
+from conftest import SPARES, fresh_kernel, text_of, use_session
 
 from infini_notebook.template_launcher import FORKED
 
@@ -52,34 +52,33 @@ def test_forked_engines_share_the_templates_heap_and_can_still_import_debugpy(se
         assert frozen > 100_000  # torch alone makes several hundred thousand objects
 
 
-# The spare engines a hard restart leaves for the next one (engine_sets.Standby), once forked
-# and registered: their pids.
-SPARES = """\
-import time
-_spare = dist_session.engines.standby
-_launchers = dist_session.engines.cluster.engines[_spare.launch.result(60)].launchers.values()
-while len(set(dist_session.engines.client.ids) - _spare.known) < 2:
-    time.sleep(0.05)
-print(sorted(_l.process.pid for _l in _launchers))"""
 RANK_PIDS = "print(sorted(p.pid for p in dist_session.engines.pids.values()))"
+# A hard restart and, with no pause, a cell that keeps the ranks busy for 3 s.
+RESTART_THEN_BUSY = """\
+get_ipython().run_line_magic("dist_restart", "--hard")
+get_ipython().run_cell_magic("dist", "--background", "import time; time.sleep(3)")"""
 
 
-def test_hard_restart_forks_again_and_a_dead_template_is_replaced(kernel):
+def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_replaced(kernel):
     use_session(kernel, TWO)
     say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
     first = text_of(kernel.run(say)).split()[0]
-    said = text_of(kernel.run("%dist_restart --hard", timeout=180))
-    assert "2 spare engines are being forked for the next hard restart" in said
-    kept, how = text_of(kernel.run(say)).split(" ", 1)
-    assert kept == first and FORKED in how  # the same template, warm: no new import
-    spares = text_of(kernel.run(SPARES)).strip()  # forked for the next hard restart
+    spares = text_of(kernel.run(SPARES)).strip()  # forked once the session was idle
+    assert spares  # use_session waited for them
+    assert "· 2 spare engines for the next hard restart" in text_of(kernel.run("%dist_status"))
     before = text_of(kernel.run(RANK_PIDS)).strip()
     assert spares != before and len(eval(spares)) == 2
 
-    kernel.run("%dist_restart --hard", timeout=180)  # the spares become the ranks
+    said = text_of(kernel.run(RESTART_THEN_BUSY, timeout=180))  # the spares become the ranks
+    assert "Restarted (engines restarted)" in said
     assert text_of(kernel.run(RANK_PIDS)).strip() == spares
-    assert "ahead of this restart" in text_of(kernel.run(say))
+    kept, how = text_of(kernel.run(say)).split(" ", 1)
+    assert kept == first and FORKED in how and "ahead of this restart" in how  # no new import
     assert not any(psutil.pid_exists(p) for p in eval(before))
+    # No new spares while a cell keeps the ranks busy: their start would slow it.
+    waiting = "import time; time.sleep(2); print(dist_session.engines.standby.launch.done())"
+    assert text_of(kernel.run(waiting)).strip() == "False"
+    kernel.run("dist_session._background.thread.join(30)")
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
 

@@ -333,10 +333,11 @@ CELLS = [
     code("%dist_restart", "raises-exception"),
     md("""
     `%dist_restart --hard` stops every engine and starts new ones, with new process groups
-    under a fresh store prefix. The new engines are forked from the warm template, which has
-    imported torch already, so this takes about a second; it also leaves a spare engine per
-    rank, and the next hard restart only has to set those up. Everything the ranks held is
-    gone: variables, models, optimizer state. Save what you cannot recompute (`%dist_pull`,
+    under a fresh store prefix. The new engines come from the session's warm template, which
+    has imported torch already: the spares it forked while it was idle (one per rank;
+    `%dist_status` counts them), or new forks if it was not idle long enough (as when this
+    notebook runs straight through), so it takes a second at most. Everything the ranks held
+    is gone: variables, models, optimizer state. Save what you cannot recompute (`%dist_pull`,
     or `torch.save` on the ranks) before you need a hard restart.
     """),
     code("%dist_restart --hard"),
