@@ -107,6 +107,9 @@ def launch_when_idle(s, standby: Standby, since: float) -> None:
 
     if s.engines.standby is not standby or standby.launch.done():
         return  # taken, ended or cancelled meanwhile
+    if not template_alive(s):  # engines would start as new processes: not worth it idle
+        standby.launch.cancel()
+        return
     quiet = min(execution.idle_for(s), time.monotonic() - since)
     if quiet < SPARES_AFTER_IDLE_S or not s.engines.lock.acquire(blocking=False):
         s.engines.loop.call_later(SPARES_POLL_S, launch_when_idle, s, standby, since)
@@ -114,13 +117,16 @@ def launch_when_idle(s, standby: Standby, since: float) -> None:
     try:
         if s.engines.client is None or not standby.launch.set_running_or_notify_cancel():
             return
-        standby.known = set(s.engines.client.ids)
+        try:  # from here on the future must settle: a hard restart waits for it
+            standby.known = set(s.engines.client.ids)
+            options = launchers.engine_options(s.plan, s._profile_dir)
+            options["template_socket"] = launchers.template_socket(s._profile_dir)
+            launch = s.engines.cluster.start_engines(s.world_size, **options)
+            asyncio.ensure_future(launch).add_done_callback(partial(settle, standby.launch))
+        except Exception as e:
+            standby.launch.set_exception(e)
     finally:
         s.engines.lock.release()
-    options = launchers.engine_options(s.plan, s._profile_dir)
-    options["template_socket"] = launchers.template_socket(s._profile_dir)
-    task = asyncio.ensure_future(s.engines.cluster.start_engines(s.world_size, **options))
-    task.add_done_callback(partial(settle, standby.launch))
 
 
 def settle(future: Future, task) -> None:

@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, KILL_CONTROLLER, fresh_kernel, text_of, use_session
+from conftest import FAULT_TIMINGS, KILL_CONTROLLER, SPARES, fresh_kernel, text_of, use_session
 
 FAULTS = "--nprocs 4 --timeout 5"  # the session most tests here share
 
@@ -326,10 +326,11 @@ def test_messages_with_a_wrong_signature_are_dropped(kernel):
 def test_sigkill_of_the_kernel_ends_every_process():
     with fresh_kernel() as cells:
         cells.run("%dist_start --nprocs 2", timeout=180)
+        spares = eval(text_of(cells.run(SPARES)))  # forked once idle: they must go too
         kernel_proc = psutil.Process(cells.kernel_pid)
         watched = kernel_proc.children(recursive=True)  # controller, engines, watchdog
         assert any("infini_notebook.watchdog" in " ".join(_cmd(p)) for p in watched)
-        assert len(watched) >= 4
+        assert len(watched) >= 4 and set(spares) <= {p.pid for p in watched}
         t0 = time.perf_counter()
         kernel_proc.kill()
         gone, alive = psutil.wait_procs(watched, timeout=15)
