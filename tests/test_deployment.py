@@ -153,16 +153,22 @@ def test_a_pid_is_ours_only_if_the_process_carries_the_sessions_mark(tmp_path):
     from infini_notebook.processes import own_process
 
     s = types.SimpleNamespace(_profile_dir=str(tmp_path / "profile"))
-    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
-    stranger = subprocess.Popen(sleep)
-    ours = subprocess.Popen(sleep, env=dict(os.environ, IPP_PROFILE_DIR=s._profile_dir))
+    # Each says it is up first: Popen returns once exec has begun, and until the kernel has
+    # set the new program's environment up, /proc shows it empty (seen once under load).
+    sleep = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(30)"]
+    stranger = subprocess.Popen(sleep, stdout=subprocess.PIPE)
+    marked = dict(os.environ, IPP_PROFILE_DIR=s._profile_dir)
+    ours = subprocess.Popen(sleep, env=marked, stdout=subprocess.PIPE)
+    assert stranger.stdout.readline() == ours.stdout.readline() == b"up\n"
     try:
         assert own_process(s, stranger.pid) is None
         assert own_process(s, ours.pid).pid == ours.pid
         assert own_process(s, 2**22 + 1) is None  # no such pid
     finally:
-        stranger.kill()
-        ours.kill()
+        for proc in (stranger, ours):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel):
