@@ -163,7 +163,12 @@ class WaitWatch:
     def released_text(self) -> str:
         if not self.released:
             return ""
-        return waits.released_text(self.released, self.released_waits, self.gone, self.cell_name)
+        # A rank slower to reach the wait than the release meets closed connections: it
+        # is not among the ranks seen waiting, but must not go unmentioned.
+        late = [r for r, why in self.gone.items() if why == "released" and r not in self.released]
+        return waits.released_text(
+            self.released, self.released_waits, self.gone, self.cell_name, late
+        )
 
 
 def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -> None:

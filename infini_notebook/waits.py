@@ -9,7 +9,7 @@ func.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .ranks import rank_label
 
@@ -73,9 +73,11 @@ def released_text(
     waits: Mapping[int, Mapping | None],
     gone: Mapping[int, str],
     cell: str = "",
+    late: Sequence[int] = (),
 ) -> str:
     """'ranks 1-3 were waiting for rank 0 in all_reduce on the world group (In[5], line 4):
-    released', one clause per distinct wait, ranks merged."""
+    released', one clause per distinct wait, ranks merged. ``late``: ranks that came to a
+    wait only after the release had closed their peers' connections (never seen waiting)."""
     by_place: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r, needed in sorted(blocked.items()):
         by_place.setdefault((where(waits[r], cell), tuple(needed)), []).append(r)
@@ -83,6 +85,9 @@ def released_text(
     for (place, needed), ranks in by_place.items():
         verb = "was" if len(ranks) == 1 else "were"
         clauses.append(f"{ranks_text(ranks)} {verb} waiting for {ranks_text(needed)} in {place}")
+    if late:
+        their = "its connection" if len(late) == 1 else "their connections"
+        clauses.append(f"{ranks_text(sorted(late))} lost {their} to a rank that left")
     return "; ".join(clauses) + ": released"
 
 

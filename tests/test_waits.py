@@ -32,6 +32,15 @@ def test_released_text_merges_ranks_that_wait_alike():
     )
 
 
+def test_released_text_names_a_rank_that_came_to_the_wait_after_the_release():
+    found = {r: coll("all_reduce") for r in (1, 2)}
+    text = waits.released_text({1: [0], 2: [0]}, found, {0: "failed"}, "In[5]", late=[3])
+    assert text == (
+        "ranks 1-2 were waiting for rank 0 in all_reduce #7 on the world group "
+        "(In[5], line 4); rank 3 lost its connection to a rank that left: released"
+    )
+
+
 def test_verdict_names_a_mismatch_and_ranks_not_in_the_collective():
     found = {0: coll("all_reduce"), 1: coll("all_reduce"), 2: coll("broadcast"), 3: None}
     text = waits.verdict(found)
