@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import psutil
 
@@ -51,6 +52,8 @@ class Standby:
     # (by a hard restart or stop before that), it is never launched.
     launch: Future = field(default_factory=Future)
     known: set[int] = field(default_factory=set)  # engine ids registered before it: not its
+    cluster: Any = None  # the ipyparallel Cluster it was launched in (a hard restart replaces
+    # a dead controller's: its spares are unusable, and only that Cluster can stop them)
 
 
 def start_engines(s, progress: Progress | None) -> None:
@@ -119,6 +122,7 @@ def launch_when_idle(s, standby: Standby, since: float) -> None:
             return
         try:  # from here on the future must settle: a hard restart waits for it
             standby.known = set(s.engines.client.ids)
+            standby.cluster = s.engines.cluster
             options = launchers.engine_options(s.plan, s._profile_dir)
             options["template_socket"] = launchers.template_socket(s._profile_dir)
             launch = s.engines.cluster.start_engines(s.world_size, **options)
@@ -148,6 +152,8 @@ def take_standby(s, progress: Progress | None) -> list[int] | None:
         return None
     try:
         set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
+        if standby.cluster is not s.engines.cluster:
+            raise RuntimeError("the controller they registered with is gone")
         engine_set = s.engines.cluster.engines[set_id]
         if standby.template is not s.engines.template or engine_set.state != "running":
             raise RuntimeError("the spare engines' template is gone")
@@ -182,7 +188,7 @@ def end_standby(s, standby: Standby) -> None:
         set_id = standby.launch.result(timeout=STANDBY_WAIT_S)
     except Exception:
         return  # never launched: nothing of it runs
-    stop_engine_sets(s, [set_id])
+    stop_engine_sets(s, [set_id], standby.cluster)
 
 
 def ensure_template(s) -> None:
@@ -327,12 +333,13 @@ def stop_engines(s, keep_standby: bool = False) -> None:
     psutil.wait_procs(engines, timeout=5)
 
 
-def stop_engine_sets(s, set_ids: list[str]) -> None:
+def stop_engine_sets(s, set_ids: list[str], cluster: Any = None) -> None:
     """These engine sets: their engines killed at once when they are local forks (see
     supervision.kill_engines; psutil checks each one's start time), then stopped by
     ipyparallel. Other launchers' processes (mpiexec, ssh, srun) are left to ipyparallel's
-    stop: killed outright, they could not end the engines they started elsewhere."""
-    cluster = s.engines.cluster
+    stop: killed outright, they could not end the engines they started elsewhere. The sets
+    are ``cluster``'s (default: the session's)."""
+    cluster = cluster or s.engines.cluster
     if cluster is None:
         return
     procs = [

@@ -98,9 +98,11 @@ del _c, _p, _s"""
 SPARES = """\
 import time as _time
 _spare = dist_session.engines.standby
+_deadline = _time.monotonic() + 60
 if _spare is not None:
     _set = dist_session.engines.cluster.engines[_spare.launch.result(60)]
     while len(set(dist_session.engines.client.ids) - _spare.known) < dist_session.world_size:
+        assert _time.monotonic() < _deadline, "the spare engines did not register in 60 s"
         _time.sleep(0.05)
     print(sorted(_l.process.pid for _l in _set.launchers.values()))"""
 

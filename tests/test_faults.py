@@ -238,11 +238,15 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
 def test_hard_restart_brings_back_a_controller_that_died(kernel):
     """A hard restart keeps a running controller, and starts a new one if it is gone."""
     use_session(kernel, FAULTS)
+    spares = [psutil.Process(p) for p in eval(text_of(kernel.run(SPARES)))]
     # The restart follows the death at once, before ipyparallel's launcher has noticed the
     # exit: a restart that went by the launcher's state met a controller that was "running".
     kernel.run(
         KILL_CONTROLLER + "get_ipython().run_line_magic('dist_restart', '--hard')", timeout=180
     )
+    # The spares registered with the dead controller: unusable, and ended (they were left
+    # running until stop)
+    assert psutil.wait_procs(spares, timeout=15)[1] == []
     out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
     alive = text_of(kernel.run("print(_c.current().engines.cluster.controller.state)"))
