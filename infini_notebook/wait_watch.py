@@ -19,7 +19,6 @@ GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left th
 HANG_AFTER_S = 2.0  # a rank in the same wait this long, nobody gone: show where ranks wait
 HANG_POLL_S = 1.0
 RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
-RELEASE_GIVE_UP_S = 30.0  # ... and one out of its wait but still running, after this
 LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
 ASK_WAIT_S = 1.0  # answers come from a thread beside the cell: quick, unless the host is busy
 
@@ -39,7 +38,6 @@ class WaitWatch:
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
-        self.found: dict[int, dict | None] = {}  # the last answers: rank -> its wait
         self.since: dict[int, tuple] = {}  # rank -> (its wait, first seen) for a hang
         self.started = time.monotonic()
         self.next_ask = self.started + HANG_POLL_S
@@ -94,7 +92,6 @@ class WaitWatch:
             self.next_ask = now + (GONE_POLL_S if self.gone else HANG_POLL_S)
             try:  # never the end of a cell: without this watch it runs as it always did
                 found = supervision.waits(self.s, sorted(running), ASK_WAIT_S)
-                self.found = found
                 if self.gone:
                     self._release(found, now)
                 elif any(found.values()):  # a rank waits: say where (not "all computing")
@@ -102,12 +99,7 @@ class WaitWatch:
             except Exception as e:
                 log.warning("watching the ranks' waits: %s", e)
         if self.released_at is not None and now - self.released_at > RELEASE_GRACE_S:
-            # One out of its wait is ending its cell: its first error's traceback takes a
-            # second or more of CPU on a loaded host. Stuck: still waiting, or silent.
-            released = running & set(self.released)
-            if now - self.released_at > RELEASE_GIVE_UP_S:
-                return released
-            return {r for r in released if self.found.get(r, "no answer")}
+            return running & set(self.released)
         return set()
 
     def _show_failures(self, running: set[int], now: float) -> None:
