@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import nbformat
 import pytest
@@ -20,6 +21,11 @@ def session4():
     import infini_notebook
 
     session = infini_notebook.start(nprocs=4, tp=2, timeout=30)
+    # Its spare engines (engine_sets.Standby) first: forked at the first idle second, they
+    # would compete with some test's timed cell for the CPU.
+    session.engines.standby.launch.result(60)
+    while len(set(session.engines.client.ids) - session.engines.standby.known) < 4:
+        time.sleep(0.05)
     yield session
     session.stop()
 
