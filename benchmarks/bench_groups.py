@@ -6,7 +6,8 @@ Every way runs in the same 8 processes, alternating which goes first in each rep
 "calls/rank" counts new_group + split_group calls one rank makes (new_subgroups_by_enumeration
 and init_device_mesh call new_group once per group of every kind, on every rank). "seconds" is
 the median over repetitions of the slowest rank, between two barriers. Then the pure layout
-for 65,536 ranks: time for every group of every kind.
+for 65,536 ranks: time for every group of every kind (goal: under 1 s), and the time to
+import the layout module alone, without torch or numpy (goal: under 0.2 s).
 """
 
 from __future__ import annotations
@@ -120,6 +121,25 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def layout_import_time() -> float:
+    """Seconds to import core/layout.py on its own, in a fresh interpreter."""
+    import subprocess
+
+    path = Path(__file__).resolve().parents[1] / "infini_notebook" / "core" / "layout.py"
+    code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('layout_alone', {str(path)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['layout_alone'] = mod\n"
+        "t = time.perf_counter(); spec.loader.exec_module(mod); print(time.perf_counter() - t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout)
+
+
+def verdict(seconds: float, goal: float) -> str:
+    return f"goal < {goal} s: {'met' if seconds < goal else 'MISSED'}"
+
+
 def layout_time(world: int) -> tuple[str, float, int]:
     start = time.perf_counter()
     layout = ParallelLayout(world, tp=8, cp=2, pp=8)
@@ -154,7 +174,9 @@ def main() -> None:
 
     described, seconds, n = layout_time(65536)
     print(f"\npure layout, {described}: every group of all 15 kinds ({n:,} groups) in "
-          f"{seconds:.3f} s")  # fmt: skip
+          f"{seconds:.3f} s ({verdict(seconds, 1.0)})")  # fmt: skip
+    imported = layout_import_time()
+    print(f"importing the layout module alone: {imported:.3f} s ({verdict(imported, 0.2)})")
     big = ParallelLayout(65536, tp=8, cp=2, pp=8)
     picotron_calls = sum(65536 // big.kind_size(k) for k in PICOTRON_KINDS)
     print(

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import infini_notebook
-from infini_notebook.errors import DistCellError
+from infini_notebook.core.errors import DistCellError
 
 RAISE = (
     "import time\nif rank == 0:\n    print(time.time(), flush=True)\n    raise RuntimeError('x')\n"

@@ -21,7 +21,7 @@ import time
 import torch
 
 import infini_notebook
-from infini_notebook import shm_transport
+from infini_notebook.engine import shm_transport
 
 
 def best(fn, repeats: int) -> float:

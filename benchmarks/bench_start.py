@@ -30,7 +30,7 @@ import time
 import torch
 
 import infini_notebook
-from infini_notebook import launchers, prewarm, template_client
+from infini_notebook.launch import launchers, prewarm, template_client
 
 WARMED, TEMPLATE, NO_TEMPLATE = "template warmed at %load_ext", "template", "no template"
 IMP = object()  # a row's floor is one import torch (known once the run ends)

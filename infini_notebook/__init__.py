@@ -11,7 +11,7 @@ Importing this package stays light (no torch): engines import it too.
 
 import logging
 
-from .errors import DistCellError, DistUsageError
+from .core.errors import DistCellError, DistUsageError
 
 # Quiet by default (ipyparallel's launchers log through us); users opt in with a handler.
 logging.getLogger("infini_notebook").addHandler(logging.NullHandler())
@@ -34,12 +34,12 @@ def current():
 
 
 def load_ipython_extension(ipython) -> None:
-    from .export import record_outcome
+    from .core.export import record_outcome
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
     if current() is None:
-        from .prewarm import warm
+        from .launch.prewarm import warm
 
         warm()  # the first %dist_start then finds its template's imports done
     if record_outcome not in ipython.events.callbacks["post_run_cell"]:
@@ -48,7 +48,7 @@ def load_ipython_extension(ipython) -> None:
 
 def __getattr__(name):  # lazy: ParallelLayout without importing torch.distributed
     if name == "ParallelLayout":
-        from .layout import ParallelLayout
+        from .core.layout import ParallelLayout
 
         return ParallelLayout
     raise AttributeError(name)

@@ -20,16 +20,18 @@ from typing import Any
 
 import psutil
 
-from . import engine, engine_sets, execution, launchers, prewarm, processes, supervision, transfer
-from .engine import KERNEL_MARK
-from .errors import DistCellError, DistInterrupted, DistUsageError
-from .execution import Printer
-from .options import StartOptions
-from .output import one_line, prefix_lines
-from .plan import SessionPlan, make_plan
-from .ranks import parse_ranks, rank_label
-from .state import CellResult, Progress, RankState
-from .watchdog import FOLDER_PREFIX, remove_shared_files
+from .core.errors import DistCellError, DistInterrupted, DistUsageError
+from .core.options import StartOptions
+from .core.output import one_line, prefix_lines
+from .core.plan import SessionPlan, make_plan
+from .core.ranks import parse_ranks, rank_label
+from .core.state import CellResult, Progress, RankState
+from .engine import bootstrap, postmortem
+from .engine.bootstrap import KERNEL_MARK
+from .kernel import execution, supervision, transfer
+from .kernel.execution import Printer
+from .launch import engine_sets, launchers, prewarm, processes
+from .launch.watchdog import FOLDER_PREFIX, remove_shared_files
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
@@ -168,7 +170,7 @@ class Session:
         """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
         supervision.start_watchdog(self)
         engine_sets.start_engines(self, progress)
-        processes.bootstrap(self, progress)
+        processes.bootstrap_ranks(self, progress)
 
     @property
     def _profile_dir(self) -> str:
@@ -183,7 +185,7 @@ class Session:
     @property
     def layout(self):
         """The session's ParallelLayout (tp/cp/pp/dp sizes and order)."""
-        from .layout import ParallelLayout
+        from .core.layout import ParallelLayout
 
         return ParallelLayout(**self.plan.layout)
 
@@ -240,7 +242,7 @@ class Session:
         with self.engines.lock:
             pending = {
                 r: processes.rank_view(self, r).apply_async(
-                    engine.reinit_distributed, self.attempt, self._attempt_key
+                    bootstrap.reinit_distributed, self.attempt, self._attempt_key
                 )
                 for r in range(self.world_size)
             }
@@ -394,7 +396,7 @@ class Session:
         dead = supervision.dead_ranks(self, targets)
         if dead:
             raise DistUsageError(f"{supervision.dead_text(dead)}: its frames are gone.")
-        out = self.apply(engine.post_mortem, code, ranks=targets, timeout=60)
+        out = self.apply(postmortem.post_mortem, code, ranks=targets, timeout=60)
         if echo:
             shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
             execution.TextPrinter(echo).out("".join(shown))

@@ -23,8 +23,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .c10d import can_split, covers_world, group_timeout, pg_names, same_everywhere
-from .layout import DEFAULT_ORDER, DIMS, ENV_SIZES, ParallelLayout
-from .ranks import format_ranks
+from .core.layout import DEFAULT_ORDER, DIMS, ENV_SIZES, ParallelLayout
+from .core.ranks import format_ranks
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -12,11 +12,12 @@ import time
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import automode, cluster
-from .automode import AUTO_MARKER
-from .errors import DistUsageError
-from .options import StartOptions, flag_specs
-from .output import RankValues, main_thread_stack
+from . import cluster
+from .core import automode
+from .core.automode import AUTO_MARKER
+from .core.errors import DistUsageError
+from .core.options import StartOptions, flag_specs
+from .core.output import RankValues, main_thread_stack
 
 
 def _session() -> cluster.Session:
@@ -28,7 +29,7 @@ def _session() -> cluster.Session:
 
 def prewarm_note() -> str:
     """What %dist_status says of the template warmed for the next session (see prewarm.py)."""
-    from . import prewarm
+    from .launch import prewarm
 
     template = prewarm.warm_template()
     try:
@@ -130,7 +131,7 @@ class DistMagics(Magics):
     def dist_stop(self, line: str):
         """Stop the session: engines, controller and store (and the template %load_ext
         warmed for the next session, if one waits)."""
-        from . import prewarm
+        from .launch import prewarm
 
         session = cluster.current()
         if session is None:
@@ -308,7 +309,8 @@ class DistMagics(Magics):
         """
         from IPython.display import Image, display
 
-        from . import bench, viz
+        from . import viz
+        from .kernel import bench
 
         args = parse_argstring(self.dist_bench, line)
         session = _session()
@@ -358,7 +360,7 @@ class DistMagics(Magics):
         (%dist_pull, %dist_push ...) are left out, each listed here and marked in the script.
         Example: %dist_export train.py, then: torchrun --nproc_per_node 4 train.py
         """
-        from . import export
+        from .core import export
 
         args = parse_argstring(self.dist_export, line)
         path = os.path.expanduser(_unquote(args.path))

@@ -92,7 +92,8 @@ def kernel():
 # Marks a session started by use_session with the flags it was started with (an attribute of
 # the session object, so a session a test starts by hand never passes for one of these).
 _PROBE = """\
-from infini_notebook import cluster as _c, processes as _p
+from infini_notebook import cluster as _c
+from infini_notebook.launch import processes as _p
 _s = _c.current()
 print(getattr(_s, '_test_flags', None) == {flags!r} and _p.controller_running(_s)
       and all(r.state in ('idle', 'error') for r in _s.status()))

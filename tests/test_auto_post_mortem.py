@@ -6,8 +6,8 @@ import sys
 
 from conftest import text_of
 
-from infini_notebook.automode import AUTO_MARKER, auto_cell_lines
-from infini_notebook.engine import failing_frame, run_in_frame
+from infini_notebook.core.automode import AUTO_MARKER, auto_cell_lines
+from infini_notebook.engine.postmortem import failing_frame, run_in_frame
 
 
 def ensure_session(kernel) -> None:

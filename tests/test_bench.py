@@ -12,9 +12,9 @@ import textwrap
 import pytest
 from conftest import REPO, text_of
 
-from infini_notebook import bench
-from infini_notebook.errors import DistUsageError
+from infini_notebook.core.errors import DistUsageError
 from infini_notebook.groups import ParallelLayout
+from infini_notebook.kernel import bench
 
 # --------------------------------------------------------------------------- pure formulas
 
@@ -201,7 +201,7 @@ def test_sweep_world_and_tp_all_collectives_checked(session4):
 
 # The engine's check data, off by one in its first element on the rank that runs this.
 CORRUPT_RANK_1 = """
-import infini_notebook.bench_engine as _bench_engine
+import infini_notebook.engine.bench_kernels as _bench_engine
 _good_pattern = _bench_engine._pattern
 
 def _bad_pattern(torch, j, length, device, offset=0):
@@ -280,7 +280,7 @@ GPU_SCRIPT = textwrap.dedent(
     """
     import sys
     import infini_notebook
-    from infini_notebook import bench
+    from infini_notebook.kernel import bench
 
     gpus = int(sys.argv[1])
     session = infini_notebook.start(gpus=gpus)

@@ -7,7 +7,7 @@ from ipyparallel.controller.heartmonitor import Heart, HeartMonitor
 from jupyter_client.session import Session
 from zmq.eventloop.zmqstream import ZMQStream
 
-from infini_notebook.controller import ping_new_hearts, register_at_first_pong
+from infini_notebook.launch.controller import ping_new_hearts, register_at_first_pong
 
 
 def test_a_new_heart_is_announced_at_its_first_answer_and_only_once():

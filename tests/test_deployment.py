@@ -150,7 +150,7 @@ def test_a_pid_is_ours_only_if_the_process_carries_the_sessions_mark(tmp_path):
     import sys
     import types
 
-    from infini_notebook.processes import own_process
+    from infini_notebook.launch.processes import own_process
 
     s = types.SimpleNamespace(_profile_dir=str(tmp_path / "profile"))
     # Each says it is up first: Popen returns once exec has begun, and until the kernel has
@@ -185,7 +185,7 @@ def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel)
 def test_engines_elsewhere_remove_their_copy_of_the_session_folder(tmp_path):
     """mpiexec and Slurm engines on another host create the session's folder there; the
     kernel's own (this host, or a shared filesystem) carries a mark and stays."""
-    from infini_notebook.engine import KERNEL_MARK, remove_remote_copy
+    from infini_notebook.engine.bootstrap import KERNEL_MARK, remove_remote_copy
 
     copy = tmp_path / "infini-notebook-abc123"
     (copy / "profile" / "log").mkdir(parents=True)
@@ -218,7 +218,7 @@ def test_sigkill_of_the_kernel_removes_the_session_folder():
 def test_a_missing_pynvml_is_looked_for_once():
     import importlib.util
 
-    from infini_notebook import rank_services
+    from infini_notebook.engine import rank_services
 
     if importlib.util.find_spec("pynvml") is not None:
         pytest.skip("nvidia-ml-py is installed here")
@@ -229,7 +229,7 @@ def test_a_missing_pynvml_is_looked_for_once():
 
 
 def test_gpus_help_matches_the_readme():
-    from infini_notebook.options import flag_specs
+    from infini_notebook.core.options import flag_specs
 
     gpus_help = next(kw["help"] for flag, kw in flag_specs() if flag == "--gpus")
     assert "only its GPU" not in gpus_help and "LOCAL_RANK" in gpus_help
@@ -257,7 +257,7 @@ def test_session_keys_are_unguessable_and_keys_written_ahead_do_not_disturb_a_re
     assert "rss=1," not in text_of(kernel.run("print(dist_session.status()[1])"))
     keys = text_of(
         kernel.run(
-            "from infini_notebook.engine import session_root\n"
+            "from infini_notebook.engine.rank_services import session_root\n"
             "root = session_root(dist_session._token)\n"
             "ours = [k for k in intruder.list_keys() if k.startswith(root + '/')]\n"
             "print(len(dist_session._token), len(ours) > 4,"

@@ -11,8 +11,8 @@ import pytest
 from conftest import text_of
 
 from infini_notebook import cluster
-from infini_notebook.errors import DistCellError, DistUsageError
-from infini_notebook.watchdog import MARK
+from infini_notebook.core.errors import DistCellError, DistUsageError
+from infini_notebook.launch.watchdog import MARK
 
 
 def error_text(cell) -> str:

@@ -20,12 +20,12 @@ import torch
 from conftest import REPO, text_of
 from IPython.core.magic_arguments import parse_argstring
 
-from infini_notebook import export
-from infini_notebook.engine import LabeledStream, torchrun_namespace
-from infini_notebook.errors import DistUsageError
+from infini_notebook.core import export
+from infini_notebook.core.errors import DistUsageError
+from infini_notebook.core.ranks import parse_ranks
+from infini_notebook.engine.torchrun import LabeledStream, torchrun_namespace
 from infini_notebook.groups import ParallelLayout
 from infini_notebook.magics import DistMagics
-from infini_notebook.ranks import parse_ranks
 
 H = export.HistoryCell
 SETTINGS = export.Settings(ParallelLayout(4, tp=2), "gloo", 30.0)

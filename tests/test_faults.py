@@ -132,7 +132,7 @@ class _Quiet:
 
 
 def test_stacks_answer_for_every_rank_while_a_cell_runs(session4):
-    from infini_notebook.output import main_thread_stack
+    from infini_notebook.core.output import main_thread_stack
 
     # rank 0 waits in a native collective until the others arrive, 4 s later
     code = (
@@ -153,7 +153,7 @@ def test_stacks_answer_for_a_rank_whose_native_code_holds_the_gil(session4):
     """sum() over a long range runs in C and never lets the GIL go, as a CUDA copy waiting
     on a stuck NCCL kernel does: the rank's answering thread cannot run, so the kernel asks
     by signal, and faulthandler answers from its handler."""
-    from infini_notebook.output import main_thread_stack
+    from infini_notebook.core.output import main_thread_stack
 
     code = "def hold():\n    return sum(range(5 * 10**8))\nif rank == 1:\n    hold()"
     cell = session4.run_background(code, printer=_Quiet())
@@ -333,7 +333,7 @@ def test_sigkill_of_the_kernel_ends_every_process():
         spares = eval(text_of(cells.run(SPARES)))  # forked once idle: they must go too
         kernel_proc = psutil.Process(cells.kernel_pid)
         watched = kernel_proc.children(recursive=True)  # controller, engines, watchdog
-        assert any("infini_notebook.watchdog" in " ".join(_cmd(p)) for p in watched)
+        assert any("infini_notebook.launch.watchdog" in " ".join(_cmd(p)) for p in watched)
         assert len(watched) >= 4 and set(spares) <= {p.pid for p in watched}
         t0 = time.perf_counter()
         kernel_proc.kill()
@@ -347,7 +347,7 @@ def test_sigkill_of_the_kernel_ends_every_process():
 # the kernel is killed while the pull's files are in /dev/shm: only the watchdog can remove them.
 STALLED_PULL = """\
 import glob, os, threading, time
-from infini_notebook import shm_transport
+from infini_notebook.engine import shm_transport
 shm_prefix = shm_transport.file_prefix(dist_session._workdir)
 threading.Thread(target=dist_session.pull, args=("stalled",), daemon=True).start()
 deadline = time.monotonic() + 30

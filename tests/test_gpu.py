@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import text_of
 
-from infini_notebook import engine
+from infini_notebook.engine import bootstrap as engine
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -115,7 +115,7 @@ def test_status_shows_live_gpu_memory_while_a_cell_holds_it():
 # What one GPU can show without peers (#20 item 12): the check finds a corrupted element,
 # and the first status reports the device's memory in use, as telemetry does (item 13).
 CHECK_FINDS_CORRUPTION = """%%dist
-from infini_notebook import bench_engine as be
+from infini_notebook.engine import bench_kernels as be
 buf = torch.zeros(1024, device=device)
 spec = {"collective": "all_reduce"}
 def corrupted():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 from conftest import REPO
 
@@ -15,7 +17,9 @@ PACKAGE = "infini_notebook"
 # Circles through imports inside functions, still to be removed. Listed so that no new one
 # creeps in, and so that this list shrinks as they go (the test fails when one is gone).
 KNOWN = {
-    frozenset({"processes", "supervision"}),  # supervision.stuck_ranks -> queue_status
+    frozenset(
+        {"launch.processes", "kernel.supervision"}
+    ),  # supervision.stuck_ranks -> queue_status
 }
 
 
@@ -109,7 +113,7 @@ def test_no_import_circles_but_the_known_ones():
 
 def test_layout_and_its_renderer_import_one_way():
     graph = import_graph()
-    assert "viz.render" in graph["layout"] and "layout" not in graph["viz.render"]
+    assert "viz.render" in graph["core.layout"] and "core.layout" not in graph["viz.render"]
 
 
 def test_imports_inside_functions_and_type_checking_count():
@@ -122,3 +126,33 @@ def test_imports_inside_functions_and_type_checking_count():
     assert imported("viz", "from . import c\n", modules, True) == {"viz.c"}
     assert imported("viz.c", absolute, modules, False) == {"a", "b"}
     assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [frozenset({"a", "b"})]
+
+
+HEAVY = ("torch", "ipyparallel", "IPython", "ipywidgets", "numpy", "zmq", "psutil")
+
+
+def test_the_pure_layer_imports_nothing_heavy():
+    """core/ is the pure layer: importing every module of it, in a fresh interpreter, loads
+    none of the heavy libraries (so its unit tests run in milliseconds, without processes)."""
+    core = sorted(m for m in module_files(REPO) if m.startswith("core."))
+    assert len(core) >= 10, core
+    code = (
+        "import importlib, sys\n"
+        f"for m in {core!r}: importlib.import_module('infini_notebook.' + m)\n"
+        f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"core/ imported {out.stdout.strip()}"
+
+
+def test_the_pure_layer_imports_only_itself():
+    """Arrows point inward: core/ imports no other part of the package (layout's HTML repr,
+    which reaches viz.render lazily, aside)."""
+    graph = import_graph()
+    outward = {
+        m: sorted(t for t in targets if not t.startswith("core.") and t != "core")
+        for m, targets in graph.items()
+        if m.startswith("core.")
+    }
+    outward["core.layout"] = [t for t in outward["core.layout"] if t != "viz.render"]
+    assert not any(outward.values()), {m: t for m, t in outward.items() if t}

@@ -6,7 +6,6 @@ import importlib.util
 import itertools
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 
 from infini_notebook.groups import DIMS, ParallelLayout
 
-LAYOUT_PY = Path(__file__).resolve().parents[1] / "infini_notebook" / "layout.py"
+LAYOUT_PY = Path(__file__).resolve().parents[1] / "infini_notebook" / "core" / "layout.py"
 
 
 # ------------------------------------------------------------------ references (independent)
@@ -295,31 +294,28 @@ def test_layout_is_hashable_and_frozen():
         a.tp = 4  # type: ignore[misc]
 
 
-# ------------------------------------------------------------------ speed and imports
+# ------------------------------------------------------------------ big worlds and imports
+# How fast is benchmarks/bench_groups.py's to say; here only that the answers are right.
 
 
-def test_65536_ranks_every_group_of_every_kind_well_under_a_second():
-    start = time.perf_counter()
+def test_65536_ranks_every_group_of_every_kind():
     layout = ParallelLayout(65536, tp=8, cp=2, pp=8)
-    total = sum(len(layout.groups(kind)) for kind in layout.kinds())
-    elapsed = time.perf_counter() - start
-    assert total == sum(65536 // layout.kind_size(k) for k in layout.kinds())
-    assert elapsed < 1.0, f"{elapsed:.3f} s"
+    for kind in layout.kinds():
+        groups = layout.groups(kind)
+        assert len(groups) == 65536 // layout.kind_size(kind)
+        assert sorted(r for g in groups for r in g) == list(range(65536))
 
 
-def test_layout_module_imports_without_torch():
+def test_layout_module_imports_without_torch_or_numpy():
     code = (
-        "import importlib.util, sys, time\n"
+        "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('layout_alone', {str(LAYOUT_PY)!r})\n"
         "mod = importlib.util.module_from_spec(spec); sys.modules['layout_alone'] = mod\n"
-        "t = time.perf_counter()\n"
         "spec.loader.exec_module(mod)\n"
-        "print(time.perf_counter() - t, 'torch' in sys.modules, 'numpy' in sys.modules)\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    elapsed, torch_loaded, numpy_loaded = out.stdout.split()
-    assert torch_loaded == "False" and numpy_loaded == "False"
-    assert float(elapsed) < 0.2
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_all_kinds_listed_once():

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from conftest import fresh_kernel, text_of
 
-from infini_notebook.launchers import engine_options
-from infini_notebook.plan import make_plan
+from infini_notebook.core.plan import make_plan
+from infini_notebook.launch.launchers import engine_options
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = "10.213.7"
@@ -296,7 +296,7 @@ def test_mpi_and_slurm_engines_need_no_file_from_the_kernel_host():
 
 
 def test_remote_hosts_need_a_reachable_bind_address():
-    from infini_notebook.errors import DistUsageError
+    from infini_notebook.core.errors import DistUsageError
 
     with pytest.raises(DistUsageError, match="--bind-address"):
         make_plan(launcher="ssh", hosts="node1:8,node2:8")

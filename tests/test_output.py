@@ -162,7 +162,7 @@ def test_engine_patches_are_in_effect_on_every_rank(kernel, ranks):
 
 
 def test_a_missing_internal_fails_naming_the_versions():
-    from infini_notebook import internals
+    from infini_notebook.core import internals
 
     with pytest.raises(RuntimeError, match=r"ipyparallel \d+\.\d+.* has no _children"):
         internals.require(object(), ("_children",), "ipyparallel", "AsyncResult")

@@ -6,16 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infini_notebook.errors import DistUsageError
-from infini_notebook.output import (
+from infini_notebook.core.errors import DistUsageError
+from infini_notebook.core.output import (
     StreamLabeler,
     error_report,
     error_summary,
     group_identical,
     settle,
 )
-from infini_notebook.plan import is_loopback, make_plan, parse_init_method
-from infini_notebook.ranks import format_ranks, parse_ranks, rank_label
+from infini_notebook.core.plan import is_loopback, make_plan, parse_init_method
+from infini_notebook.core.ranks import format_ranks, parse_ranks, rank_label
 
 
 # ----- plan ------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def test_cuda_local_rank_is_the_ranks_gpu_on_every_node(slots, data):
 
 
 def test_ranks_on_other_hosts_use_only_the_gpus_their_host_gave_them():
-    from infini_notebook.plan import launcher_device
+    from infini_notebook.core.plan import launcher_device
 
     # Slurm gave this job GPUs 4-7 of a shared node: local rank 2 is the third of those
     # (device 2 within CUDA_VISIBLE_DEVICES), never physical GPU 2 of another job
@@ -120,7 +120,7 @@ def test_ranks_on_other_hosts_use_only_the_gpus_their_host_gave_them():
 
 
 def test_engine_environment_carries_torchrun_layout_and_gpu_variables():
-    from infini_notebook.engine import engine_environment
+    from infini_notebook.engine.bootstrap import engine_environment
     from infini_notebook.groups import ParallelLayout
 
     plan = make_plan(gpus=4, visible_gpus=["1", "2", "3", "4"], layout={"tp": 2, "zero1": 1})
@@ -230,7 +230,7 @@ def test_tracebacks_differing_only_in_cell_number_are_grouped():
 
 
 def test_main_thread_stack_keeps_the_cell_frames_only():
-    from infini_notebook.output import main_thread_stack
+    from infini_notebook.core.output import main_thread_stack
 
     dump = (
         'Thread 0x1 (most recent call first):\n  File "threading.py", line 1 in wait\n\n'
@@ -248,7 +248,7 @@ def test_main_thread_stack_keeps_the_cell_frames_only():
 
 
 def test_stack_dump_taken_on_a_helper_thread_reads_as_the_cell_thread():
-    from infini_notebook.engine import as_seen_by_thread
+    from infini_notebook.engine.rank_services import as_seen_by_thread
 
     dump = (
         'Thread 0x00000000000000aa (most recent call first):\n  File "cell.py", line 2 in f\n\n'
@@ -262,7 +262,7 @@ def test_stack_dump_taken_on_a_helper_thread_reads_as_the_cell_thread():
 
 
 def test_backends_stay_on_loopback_and_nccl_errors_raise_unless_the_user_says_otherwise():
-    from infini_notebook.engine import backend_defaults
+    from infini_notebook.engine.bootstrap import backend_defaults
 
     env = backend_defaults({}, "lo")
     assert env == {
@@ -277,7 +277,7 @@ def test_backends_stay_on_loopback_and_nccl_errors_raise_unless_the_user_says_ot
 
 
 def test_recovery_advice_follows_the_backend_and_nccl_error_handling():
-    from infini_notebook.plan import soft_restart_fails
+    from infini_notebook.core.plan import soft_restart_fails
 
     assert soft_restart_fails(make_plan(nprocs=2), {}) is None  # gloo: the ranks live on
     nccl = make_plan(gpus=2, visible_gpus=["0", "1"])
@@ -289,7 +289,7 @@ def test_recovery_advice_follows_the_backend_and_nccl_error_handling():
 
 
 def test_a_cyclic_distribution_across_hosts_is_refused():
-    from infini_notebook.launchers import check_placement
+    from infini_notebook.launch.launchers import check_placement
 
     plan = make_plan(launcher="slurm", nnodes=2, gpus_per_node=2, bind_address="10.0.0.5")
 
@@ -313,7 +313,7 @@ def test_one_remote_host_makes_a_multi_host_session():
 
 
 def test_ranks_are_never_told_to_connect_to_0_0_0_0():
-    from infini_notebook.launchers import cluster_options
+    from infini_notebook.launch.launchers import cluster_options
 
     one = ["127.0.0.1", "10.0.0.5"]
     remote = {"launcher": "ssh", "hosts": "a:1,b:1"}

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from conftest import fresh_kernel, text_of
 
-from infini_notebook.errors import DistUsageError
+from infini_notebook.core.errors import DistUsageError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -207,7 +207,7 @@ def test_kernel_killed_while_engines_come_up_leaves_nothing():
     with fresh_kernel() as cells:
         seen, marks = _kill_when(cells, "%dist_start --nprocs 2", lambda ps: len(_engines(ps)) >= 1)
         t0 = time.monotonic()
-        assert any("infini_notebook.controller" in cmd for cmd in seen.values())
+        assert any("infini_notebook.launch.controller" in cmd for cmd in seen.values())
         _assert_all_gone(seen, marks, t0, "kernel killed while engines start")
 
 

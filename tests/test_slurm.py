@@ -192,7 +192,7 @@ def test_a_job_slurm_refuses_or_never_starts_fails_at_once(one_node_slurm):
 
 
 def test_what_a_waiting_job_reports():
-    from infini_notebook.slurm import start_problem, waiting_note
+    from infini_notebook.launch.slurm import start_problem, waiting_note
 
     assert start_problem("7", ("PENDING", "Priority")) is None  # a busy cluster: keep waiting
     assert start_problem("7", ("RUNNING", "None")) is None

@@ -13,7 +13,7 @@ import sys
 import psutil
 from conftest import SPARES, fresh_kernel, text_of, use_session
 
-from infini_notebook.template_launcher import FORKED
+from infini_notebook.launch.template_launcher import FORKED
 
 TWO = "--nprocs 2 --timeout 30"
 
@@ -131,7 +131,7 @@ def test_the_template_refuses_to_fork_with_threads_or_cuda():
     and CUDA cannot be used in a child of a process that initialised it."""
     probe = (
         "import threading, time, torch\n"
-        "from infini_notebook.template import fork_refusal\n"
+        "from infini_notebook.launch.template import fork_refusal\n"
         "print('alone:', fork_refusal())\n"
         "torch.cuda.is_initialized = lambda: True\n"
         "print('cuda:', fork_refusal())\n"

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from infini_notebook import cluster, shm_transport
-from infini_notebook.errors import DistCellError, DistInterrupted, DistUsageError
+from infini_notebook import cluster
+from infini_notebook.core.errors import DistCellError, DistInterrupted, DistUsageError
+from infini_notebook.engine import shm_transport
 
 pytestmark = pytest.mark.skipif(not shm_transport.usable(), reason="no writable /dev/shm")
 

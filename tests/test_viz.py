@@ -13,8 +13,8 @@ import pytest
 from conftest import text_of
 
 from infini_notebook import viz
+from infini_notebook.core.state import RankState
 from infini_notebook.groups import ParallelLayout
-from infini_notebook.state import RankState
 
 WIDGET = viz.WIDGET_MIME
 
@@ -231,7 +231,7 @@ def test_tiles_show_live_usage_gpu_memory_and_util_or_rss_and_cpu():
 
 
 def test_telemetry_snapshot_keeps_known_numbers_only():
-    from infini_notebook import engine
+    from infini_notebook.engine import bootstrap as engine
 
     raw = b'{"rss": 1024, "cpu_percent": 97.5, "gpu_util": true, "evil": 1, "memory_used": "x"}'
     assert engine.parse_telemetry(raw) == {"rss": 1024, "cpu_percent": 97.5}

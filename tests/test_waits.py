@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infini_notebook import waits
+from infini_notebook.core import waits
 
 WORLD = [0, 1, 2, 3]
 
@@ -81,7 +81,7 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
     import json
     import socket
 
-    from infini_notebook import rank_services
+    from infini_notebook.engine import rank_services
 
     server = socket.create_server(("127.0.0.1", 0))
     pairs = []

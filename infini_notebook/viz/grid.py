@@ -28,7 +28,7 @@ from .render import (
 )
 
 if TYPE_CHECKING:
-    from ..layout import ParallelLayout
+    from ..core.layout import ParallelLayout
 
 
 class GroupGrid(widgets.VBox):

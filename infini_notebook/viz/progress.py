@@ -7,7 +7,7 @@ import time
 
 import ipywidgets as widgets
 
-from ..output import prefix_lines
+from ..core.output import prefix_lines
 from .render import esc
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..ranks import format_ranks
+from ..core.ranks import format_ranks
 
 
 class LayoutLike(Protocol):

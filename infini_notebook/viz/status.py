@@ -16,8 +16,8 @@ from .render import CSS, esc, grid_shape
 from .status_render import status_html, status_summary, status_text, status_tile_html
 
 if TYPE_CHECKING:
-    from ..layout import ParallelLayout
-    from ..state import RankState
+    from ..core.layout import ParallelLayout
+    from ..core.state import RankState
 
 
 class StatusSource(Protocol):

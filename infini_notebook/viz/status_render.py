@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from .render import CSS, coords_label, esc, format_bytes, grid_shape
 
 if TYPE_CHECKING:
-    from ..layout import ParallelLayout
-    from ..state import RankState
+    from ..core.layout import ParallelLayout
+    from ..core.state import RankState
 
 STATE_COLORS = {
     "idle": "#2e9d4f",

@@ -48,7 +48,7 @@ CELLS = [
     module behind `%dist_bench`:
     """),
     code("""
-    from infini_notebook import bench
+    from infini_notebook.kernel import bench
 
     sizes = (2, 4, 8, 64)
     print(f"{'busbw/algbw':<15}" + "".join(f"{'n=' + str(n):>8}" for n in sizes))

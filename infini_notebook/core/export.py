@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DistUsageError
-from .groups import DEFAULT_ORDER, ParallelLayout
+from .layout import DEFAULT_ORDER, ParallelLayout
 from .ranks import parse_ranks, parse_where
 
 
@@ -355,7 +355,7 @@ device, groups, mesh, layout) with the same parallel groups, and labels its line
 import torch
 import torch.distributed as dist
 
-from infini_notebook.engine import torchrun_namespace
+from infini_notebook.engine.torchrun import torchrun_namespace
 from infini_notebook.groups import ParallelLayout
 
 ns = torchrun_namespace(

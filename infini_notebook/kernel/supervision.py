@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import psutil
 
-from . import engine
-from .ranks import parse_ranks
-from .state import RankState
+from ..core.ranks import parse_ranks
+from ..core.state import RankState
+from ..engine import rank_services
 
 
 def start_watchdog(s) -> None:
@@ -26,7 +26,7 @@ def start_watchdog(s) -> None:
 
 
 def spawn_watchdog(profile_dir: str, since: float):
-    """``python -m infini_notebook.watchdog`` for the processes marked ``profile_dir``
+    """``python -m infini_notebook.launch.watchdog`` for the processes marked ``profile_dir``
     started after ``since`` (see watchdog.py); its Popen."""
     import subprocess
 
@@ -35,7 +35,7 @@ def spawn_watchdog(profile_dir: str, since: float):
         [
             sys.executable,
             "-m",
-            "infini_notebook.watchdog",
+            "infini_notebook.launch.watchdog",
             f"{kernel.pid}:{kernel.create_time()}",
             profile_dir,
             repr(since),
@@ -74,7 +74,7 @@ def still_stuck(s) -> set[int]:
 
 def stuck_ranks(s) -> list[int]:
     """Ranks whose engine still has work queued or running."""
-    from .processes import queue_status
+    from ..launch.processes import queue_status
 
     status = queue_status(s)
     return [r for r in range(s.world_size) if status.get(s.engines.eids[r], {}).get("queue", 0) > 0]
@@ -118,10 +118,10 @@ def ask(s, ranks: list[int], question: str | dict[int, str], wait: float) -> dic
         s._late_stacks = []
         answers = {}
         for r in ranks:
-            n = store.add(engine.stack_key(r, "count"), 1)
+            n = store.add(rank_services.stack_key(r, "count"), 1)
             asked = question[r] if isinstance(question, dict) else question
-            store.set(engine.stack_key(r, "ask", n), asked)
-            answers[r] = engine.stack_key(r, "answer", n)
+            store.set(rank_services.stack_key(r, "ask", n), asked)
+            answers[r] = rank_services.stack_key(r, "answer", n)
         try:
             store.wait(list(answers.values()), timedelta(seconds=wait))
         except Exception:  # a rank did not answer in time; the others did
@@ -153,7 +153,7 @@ def signal_stacks(s, ranks: list[int], wait: float) -> dict[int, str]:
     }
     sizes = {r: _size(p) for r, p in paths.items() if p}
     sizes = {r: size for r, size in sizes.items() if size}  # 0: no handler (yet)
-    send_signal(s, engine.STACK_SIGNAL, list(sizes))
+    send_signal(s, rank_services.STACK_SIGNAL, list(sizes))
     out, seen = {}, {}
     deadline = time.monotonic() + wait
     while sizes and time.monotonic() < deadline:
@@ -180,7 +180,7 @@ def _read_signal_dump(path: str, offset: int) -> str:
         f.seek(offset)
         dump = f.read().decode(errors="replace")
     # the handler ran on some thread; label the main thread as the answering thread does
-    return engine.as_seen_by_thread(dump, main, helper=-1)
+    return rank_services.as_seen_by_thread(dump, main, helper=-1)
 
 
 def kill_engines(s) -> list[psutil.Process]:
@@ -207,7 +207,7 @@ def kill_leftovers(s) -> None:
     """Processes the launcher could not stop (an engine, the controller after a failed
     stop): the engines we recorded (psutil checks their start time, so a recycled pid is
     never touched) and whatever else carries this session's mark."""
-    from .watchdog import end_all, session_processes
+    from ..launch.watchdog import end_all, session_processes
 
     procs = {p.pid: p for p in s.engines.pids.values()}
     procs.update({p.pid: p for p in session_processes(s._profile_dir, s._created)})
@@ -314,9 +314,9 @@ def read_telemetry(s) -> dict[int, dict]:
     out = {}
     try:
         for rs in s.ranks:
-            key = engine.telemetry_key(rs.rank)
+            key = rank_services.telemetry_key(rs.rank)
             if store.check([key]):  # get would wait for a rank that has not reported yet
-                out[rs.rank] = engine.parse_telemetry(store.get(key))
+                out[rs.rank] = rank_services.parse_telemetry(store.get(key))
     except Exception:  # the store is closing with the session: show what we have
         pass
     return out

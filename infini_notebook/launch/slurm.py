@@ -15,7 +15,7 @@ import time
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 from traitlets import default
 
-from .errors import DistUsageError
+from ..core.errors import DistUsageError
 
 # Pending reasons that no amount of waiting fixes by itself (an admin or a changed request
 # must): fail at once instead of waiting out the start timeout.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import engine, shm_transport
+from ..engine import bootstrap, shm_transport
 
 
 def shared_ranks(s, targets: list[int]) -> list[int]:
@@ -24,7 +24,9 @@ def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
     which is removed at once (the mapping stays)."""
     paths = shm_transport.make_files(s._workdir, "pull", shared_ranks(s, targets))
     calls = {
-        r: (engine.pull_shared, (name, paths[r])) if r in paths else (engine.pull_value, (name,))
+        r: (bootstrap.pull_shared, (name, paths[r]))
+        if r in paths
+        else (bootstrap.pull_value, (name,))
         for r in targets
     }
     try:
@@ -46,9 +48,9 @@ def push(s, values: dict, targets: list[int]) -> None:
         if packed is None:  # ipyparallel's path for all (and its error for an unpicklable value)
             shared = []
         calls = {
-            r: (engine.push_shared, (code, packed, path))
+            r: (bootstrap.push_shared, (code, packed, path))
             if r in shared
-            else (engine.push_values, (values,))
+            else (bootstrap.push_values, (values,))
             for r in targets
         }
         replies = s._apply_each(calls, "push_values", timeout=60)
@@ -56,4 +58,4 @@ def push(s, values: dict, targets: list[int]) -> None:
         shm_transport.remove([path])
     missed = [r for r in shared if replies[r] is False]  # they see another /dev/shm
     if missed:
-        s._apply_each({r: (engine.push_values, (values,)) for r in missed}, "push_values", 60)
+        s._apply_each({r: (bootstrap.push_values, (values,)) for r in missed}, "push_values", 60)

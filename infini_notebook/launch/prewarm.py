@@ -50,7 +50,8 @@ def warm() -> None:
     global _warmed
     if sys.platform != "linux":
         return
-    from . import launchers, supervision, template_client
+    from ..kernel import supervision
+    from . import launchers, template_client
     from .watchdog import FOLDER_PREFIX
 
     with _lock:
@@ -119,7 +120,7 @@ def discard_locked() -> None:
 
 
 def end(warmed: Warmed) -> None:
-    from .supervision import stop_watchdog
+    from ..kernel.supervision import stop_watchdog
     from .watchdog import end_all, remove_session_folder
 
     end_all([warmed.template], grace=0)

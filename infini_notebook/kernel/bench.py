@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from .bench_engine import engine_p2p, engine_step
-from .busbw import (
+from ..core.busbw import (
     COLLECTIVES,
     COLUMNS,
     DTYPE_ALIASES,
@@ -42,7 +41,8 @@ from .busbw import (
     resolve_dtype,
     to_frame,
 )
-from .errors import DistUsageError
+from ..core.errors import DistUsageError
+from ..engine.bench_kernels import engine_p2p, engine_step
 
 if TYPE_CHECKING:
     import pandas as pd

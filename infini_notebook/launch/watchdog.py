@@ -1,7 +1,7 @@
 """Ends a session's processes when its kernel dies, even by SIGKILL.
 
 Started by the session before anything else, as
-``python -m infini_notebook.watchdog KERNEL_PID:START PROFILE_DIR SINCE``. ipyparallel
+``python -m infini_notebook.launch.watchdog KERNEL_PID:START PROFILE_DIR SINCE``. ipyparallel
 launches every process of the session (controller, engines, their nannies) with
 ``IPP_PROFILE_DIR=PROFILE_DIR``, a folder that belongs to this session alone: when the kernel
 is gone, the watchdog ends the processes that carry that mark and started after ``SINCE``,
@@ -85,7 +85,7 @@ def remove_shared_files(folder: str) -> None:
     must be named as a session's."""
     import glob
 
-    from .shm_transport import file_prefix, remove
+    from ..engine.shm_transport import file_prefix, remove
 
     if os.path.basename(os.path.normpath(folder)).startswith(FOLDER_PREFIX):
         remove(glob.glob(glob.escape(file_prefix(folder)) + "-*"))

@@ -1,7 +1,7 @@
 """The warm template: a process that has imported torch, ipyparallel's engine and ours once,
 and forks engines on request, so a rank starts without paying for ``import torch``.
 
-Started by the session as ``python -m infini_notebook.template SOCKET`` with the session's
+Started by the session as ``python -m infini_notebook.launch.template SOCKET`` with the session's
 mark in its environment (see watchdog.py): the watchdog and ``kill_leftovers`` find it and
 every engine forked from it, whose /proc environment is the template's. It listens on a Unix
 socket in the session folder and answers one JSON line per request:
@@ -314,7 +314,9 @@ def warm_imports() -> None:
     import tornado.platform.asyncio  # noqa: F401
     import tornado.queues  # noqa: F401
 
-    from . import c10d, engine, groups, layout, plan  # noqa: F401
+    from .. import c10d, groups  # noqa: F401
+    from ..core import layout, plan  # noqa: F401
+    from ..engine import bootstrap  # noqa: F401
 
     if "numpy" in sys.modules:  # reseed() draws numpy's seed in each engine
         import numpy.random  # noqa: F401

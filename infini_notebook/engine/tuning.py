@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from . import internals
+from ..core import internals
 
 _KERNEL_PARTS = ("_publish_status", "_publish_execute_input", "log")
 _STREAM_PARTS = ("_flush_pending", "_buffers", "flush")

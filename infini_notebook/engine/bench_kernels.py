@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .busbw import DTYPES, count_and_bytes
+from ..core.busbw import DTYPES, count_and_bytes
 
 
 def engine_step(spec: dict) -> dict | None:
@@ -22,9 +22,9 @@ def engine_step(spec: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from . import engine
+    from . import bootstrap
 
-    ns = engine.user_namespace()
+    ns = bootstrap.user_namespace()
     rank = dist.get_rank()
     pg, members = _my_group(ns["groups"], spec["kind"], spec["partition"], rank)
     if members is None:
@@ -197,9 +197,9 @@ def engine_p2p(spec: dict) -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
-    from . import engine
+    from . import bootstrap
 
-    ns = engine.user_namespace()
+    ns = bootstrap.user_namespace()
     device, rank, world = ns["device"], dist.get_rank(), dist.get_world_size()
     src = spec["src"]
     dtype = getattr(torch, spec["dtype"])

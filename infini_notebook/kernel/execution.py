@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import internals, processes, supervision
-from .errors import DistCellError, DistInterrupted, DistUsageError
-from .output import (
+from ..core import internals
+from ..core.errors import DistCellError, DistInterrupted, DistUsageError
+from ..core.output import (
     StreamLabeler,
     error_report,
     error_summary,
@@ -25,9 +25,11 @@ from .output import (
     prefix_lines,
     remote_traceback,
 )
-from .plan import soft_restart_fails
-from .ranks import parse_ranks, parse_where, rank_label
-from .state import CellResult
+from ..core.plan import soft_restart_fails
+from ..core.ranks import parse_ranks, parse_where, rank_label
+from ..core.state import CellResult
+from ..launch import processes
+from . import supervision
 from .wait_watch import WaitWatch
 
 INTERRUPT_GRACE_S = 3.0

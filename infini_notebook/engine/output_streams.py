@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 
-from . import internals
-from .output import settle
+from ..core import internals
+from ..core.output import settle
 
 SYNC_WAIT_S = 0.1
 MARK = "\x00"  # one byte, so a pipe read cannot split it; NUL never shows in a notebook

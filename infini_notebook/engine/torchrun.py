@@ -19,7 +19,7 @@ def rank_namespace(layout, device, local_rank: int, timeout=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .groups import init_parallel_groups
+    from ..groups import init_parallel_groups
 
     groups = init_parallel_groups(layout, timeout=timeout)  # every group, not only the world
     return {
@@ -47,8 +47,8 @@ def torchrun_namespace(
     import torch
     import torch.distributed as dist
 
-    from .errors import DistUsageError
-    from .layout import ParallelLayout
+    from ..core.errors import DistUsageError
+    from ..core.layout import ParallelLayout
 
     if not isinstance(layout, ParallelLayout):
         layout = ParallelLayout.from_dict(layout)
@@ -86,7 +86,7 @@ class LabeledStream:
         self.stream, self.label, self._partial = stream, label, ""
 
     def write(self, text: str) -> int:
-        from .output import prefix_lines
+        from ..core.output import prefix_lines
 
         lines = (self._partial + text).split("\n")
         self._partial = lines.pop()

@@ -125,7 +125,7 @@ class ParallelLayout:
         return tuple(d for d in self.dims if getattr(self, d) > 1)
 
     def _repr_html_(self) -> str:
-        from .viz.render import layout_html  # pure HTML: no widgets imported
+        from ..viz.render import layout_html  # pure HTML: no widgets imported
 
         return layout_html(self)
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import psutil
 
-from . import engine, supervision
-from .errors import DistCellError, DistUsageError
-from .output import one_line
-from .plan import SessionPlan
+from ..core.errors import DistCellError, DistUsageError
+from ..core.output import one_line
+from ..core.plan import SessionPlan
+from ..core.state import Progress
+from ..engine import bootstrap
+from ..kernel import supervision
 from .processes import (
     close_client,
     ensure_controller,
@@ -30,7 +32,6 @@ from .processes import (
     start_advice,
     stop_controller,
 )
-from .state import Progress
 
 log = logging.getLogger("infini_notebook")
 
@@ -64,7 +65,7 @@ def start_engines(s, progress: Progress | None) -> None:
     ensure_template(s)  # first: its imports overlap the controller's start
     ensure_controller(s)
     eids = take_standby(s, progress) or launch_engines(s, progress)
-    ar = s.engines.client[eids].apply_async(engine.identity)
+    ar = s.engines.client[eids].apply_async(bootstrap.identity)
     identities = ar.get_dict(timeout=60)
     forget(s, ar.msg_ids)
     s.engines.eids = launchers.assign_ranks(identities, s.plan)
@@ -106,7 +107,8 @@ def launch_when_idle(s, standby: Standby, since: float) -> None:
     the client's lock is only tried (its holder may be waiting for this loop)."""
     import asyncio
 
-    from . import execution, launchers
+    from ..kernel import execution
+    from . import launchers
 
     if s.engines.standby is not standby or standby.launch.done():
         return  # taken, ended or cancelled meanwhile

@@ -11,8 +11,8 @@ import os
 import shlex
 import sys
 
-from .errors import DistUsageError
-from .plan import LOOPBACK, SessionPlan
+from ..core.errors import DistUsageError
+from ..core.plan import LOOPBACK, SessionPlan
 
 # An engine counts as registered once the controller hears its first heartbeat. At the
 # default 3 s period that wait was most of a session's start-up (engines up in 6.6 s instead
@@ -20,14 +20,14 @@ from .plan import LOOPBACK, SessionPlan
 # after 20 s of silence, close to the default 30 s.
 HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=40")
 # ipyparallel's controller, announcing a new engine at its first heartbeat (see controller.py)
-CONTROLLER_CMD = ("-m", "infini_notebook.controller")
+CONTROLLER_CMD = ("-m", "infini_notebook.launch.controller")
 
 # Slurm: ipyparallel's launcher with sbatch's errors and the job's state (see slurm.py).
 LAUNCHER_CLASSES = {
     "local": "local",
     "ssh": "ssh",
     "mpi": "mpi",
-    "slurm": "infini_notebook.slurm.SlurmEngines",
+    "slurm": "infini_notebook.launch.slurm.SlurmEngines",
 }
 
 # The profile dir lives in this kernel's temporary directory, which other hosts do not have:
@@ -38,7 +38,7 @@ REMOTE_ENGINE_ARGS = ["--IPEngine.auto_create=True"]
 IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 
 
-TEMPLATE_LAUNCHER = "infini_notebook.template_launcher.TemplateEngineSetLauncher"
+TEMPLATE_LAUNCHER = "infini_notebook.launch.template_launcher.TemplateEngineSetLauncher"
 
 
 def profile_dir(workdir: str) -> str:

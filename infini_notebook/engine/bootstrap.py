@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import engine_output, engine_tuning, rank_services, shm_transport, wait_probe
+from . import output_streams, rank_services, shm_transport, tuning, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -70,10 +70,10 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
     _keep_no_output_history()
-    engine_tuning.apply()
+    tuning.apply()
     from IPython import get_ipython
 
-    engine_output.install(get_ipython())
+    output_streams.install(get_ipython())
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -92,7 +92,7 @@ def remove_remote_copy(workdir: str) -> bool:
     """mpiexec and Slurm engines on another host create the session's folder there (their
     profile, logs only; they read nothing from it once registered). Remove it, unless it
     is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
-    from .watchdog import FOLDER_PREFIX, remove_session_folder
+    from ..launch.watchdog import FOLDER_PREFIX, remove_session_folder
 
     if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
         return False
@@ -129,7 +129,7 @@ def _drop_logged_outputs(result=None) -> None:
 def _set_environment(cfg: dict) -> None:
     cuda = cfg.get("cuda")
     if cuda is not None and cuda[0] is None:  # the host's launcher chose our GPUs
-        from .plan import launcher_device
+        from ..core.plan import launcher_device
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         cfg["cuda"] = (None, launcher_device(visible, cfg["local_rank"], cfg["local_world_size"]))
@@ -163,7 +163,7 @@ def backend_defaults(environ, loopback_iface: str | None) -> dict[str, str]:
 def engine_environment(cfg: dict) -> dict[str, str]:
     """The variables a rank gets: torchrun's, the layout's (what ``init_parallel_groups()``
     reads) and the visible GPUs. Pure, from the kernel's ``cfg``."""
-    from .layout import ParallelLayout
+    from ..core.layout import ParallelLayout
 
     env = {
         "RANK": cfg["rank"],
@@ -205,7 +205,7 @@ def init_distributed(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .layout import ParallelLayout
+    from ..core.layout import ParallelLayout
 
     device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])

@@ -17,11 +17,13 @@ from typing import Any
 
 import psutil
 
-from . import engine, internals, supervision
-from .errors import DistCellError, DistUsageError
-from .output import error_report, error_summary, one_line, remote_traceback
-from .plan import LOOPBACK, SessionPlan, is_loopback
-from .state import Progress, RankState
+from ..core import internals
+from ..core.errors import DistCellError, DistUsageError
+from ..core.output import error_report, error_summary, one_line, remote_traceback
+from ..core.plan import LOOPBACK, SessionPlan, is_loopback
+from ..core.state import Progress, RankState
+from ..engine import bootstrap, rank_services
+from ..kernel import supervision
 
 log = logging.getLogger("infini_notebook")
 
@@ -83,7 +85,7 @@ def start_store(s) -> None:
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
         )
         sock.detach()  # the store owns the descriptor now and closes it
-        s._keys = dist.PrefixStore(engine.session_root(s._token), s._store)
+        s._keys = dist.PrefixStore(rank_services.session_root(s._token), s._store)
     except Exception as e:  # port taken, address not ours
         raise DistUsageError(
             f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -259,10 +261,10 @@ def engine_config(s, rank: int) -> dict:
     }
 
 
-def bootstrap(s, progress: Progress | None = None) -> None:
+def bootstrap_ranks(s, progress: Progress | None = None) -> None:
     configs = {r: engine_config(s, r) for r in range(s.world_size)}
     with s.engines.lock:
-        pending = {r: rank_view(s, r).apply_async(engine.bootstrap, configs[r]) for r in configs}
+        pending = {r: rank_view(s, r).apply_async(bootstrap.bootstrap, configs[r]) for r in configs}
     failed = wait_for_bootstrap(s, pending, progress)
     if failed is not None:  # the others wait for it until the timeout: the caller stops them
         raise bootstrap_error(s, failed, pending[failed])

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import time
 
-from . import processes, supervision, waits
-from .output import one_line, remote_traceback
-from .ranks import rank_label
+from ..core import waits
+from ..core.output import one_line, remote_traceback
+from ..core.ranks import rank_label
+from ..launch import processes
+from . import supervision
 
 log = logging.getLogger("infini_notebook")
 
@@ -185,7 +187,7 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     abort their communicators: only an abort ends a wait in NCCL."""
     import json
 
-    from . import engine
+    from ..engine import bootstrap
 
     nccl = "nccl" in s.plan.backend
     links: dict[int, list] = {}
@@ -196,7 +198,7 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     if ending:
         peer_links = [link for own in links.values() for link in own]
         with s.engines.lock:
-            ar = processes.ranks_view(s, ending).apply_async(engine.release_groups, peer_links)
+            ar = processes.ranks_view(s, ending).apply_async(bootstrap.release_groups, peer_links)
     if blocked and nccl:
         supervision.ask(s, blocked, "abort", ASK_WAIT_S)
     elif blocked:

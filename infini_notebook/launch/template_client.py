@@ -25,13 +25,13 @@ class TemplateUnavailable(RuntimeError):
 
 
 def start_template(env: dict, profile_dir: str, socket_path: str, log_path: str) -> psutil.Process:
-    """``python -m infini_notebook.template`` with ``env`` and the session's mark. One BLAS
+    """``python -m infini_notebook.launch.template`` with ``env`` and the session's mark. One BLAS
     thread: numpy's OpenBLAS otherwise starts a pool at import, and a process with threads
     must not fork (torch's own pools start later, in each engine)."""
     env = dict(env, **{MARK: profile_dir, "OPENBLAS_NUM_THREADS": "1"})
     with open(log_path, "ab") as out, open(os.devnull, "rb") as null:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "infini_notebook.template", socket_path],
+            [sys.executable, "-m", "infini_notebook.launch.template", socket_path],
             stdin=null,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""ipyparallel's controller, run as ``python -m infini_notebook.controller ARGS`` (the same
+"""ipyparallel's controller, run as ``python -m infini_notebook.launch.controller ARGS`` (the same
 arguments as ``python -m ipyparallel.controller``), with a new engine registered as soon as
 its heart answers instead of up to two heartbeat periods later.
 
@@ -13,7 +13,7 @@ written for, it stays stock (with a log line): only speed is at stake.
 
 from __future__ import annotations
 
-from . import internals
+from ..core import internals
 
 _NEEDS = ("handle_pong", "handle_new_hearts", "hearts", "responses", "start", "lifetime")
 # A heart subscribes to the pings just after its connection is made: ping again a little
