@@ -33,7 +33,7 @@ def one_size(shell, n: int, cells: int) -> dict[str, float]:
     stock_client.wait_for_engines(n, interactive=False)
     session = infini_notebook.start(nprocs=n)
     try:
-        ours_view = session.engines.client[:]
+        ours_view = session.engines.client.view(slice(None))
         ours_view.block = True
         ours_view.activate("_ours")  # %%px_ours: %%px on the very engines %%dist uses
         stock_view = stock_client[:]

@@ -60,7 +60,7 @@ def empty_cells(n: int, cells: int) -> tuple[float, float]:
     shell = start_ipython()
     shell.run_line_magic("load_ext", "infini_notebook")
     session = infini_notebook.start(nprocs=n)
-    view = session.engines.client[:]
+    view = session.engines.client.view(slice(None))
     view.block = True  # %%px waits for the engines, as %%dist does
     view.activate()  # registers %%px on the very same engines
     px, dist = [], []

@@ -66,7 +66,7 @@ def spares_ready(session) -> None:
     if spare is None:
         return
     spare.launch.result(timeout=120)
-    while len(set(session.engines.client.ids) - spare.known) < session.world_size:
+    while len(session.engines.client.ids() - spare.known) < session.world_size:
         time.sleep(0.01)
 
 

@@ -1,8 +1,7 @@
-"""The kernel-side session: plan, store, engines, run, signal, restart, stop, state.
-
-One :class:`Session` owns everything it starts: a TCPStore server hosted in this process
-(the agent store: it outlives any rank), an ipyparallel controller and one engine per rank
-(engine id == global rank). Nothing here renders widgets; ``viz`` reads ``status()``.
+"""The kernel-side session: the facade users and magics call (start, run, pull/push,
+status, stacks, restart, stop). It holds the owners of the session's state (see Session)
+and delegates: launching to ``launch/``, work on the running ranks to ``kernel/``. Nothing
+here renders widgets; ``viz`` reads ``status()``.
 """
 
 from __future__ import annotations
@@ -10,10 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import secrets
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from typing import Any
@@ -24,14 +20,17 @@ from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
 from .core.output import one_line, prefix_lines
 from .core.plan import SessionPlan, make_plan
+from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .engine import bootstrap, postmortem
-from .engine.bootstrap import KERNEL_MARK
 from .kernel import execution, supervision, transfer
-from .kernel.execution import Printer
-from .launch import engine_sets, launchers, prewarm, processes
-from .launch.watchdog import FOLDER_PREFIX, remove_shared_files
+from .kernel.background import BackgroundCell
+from .kernel.printers import Printer, TextPrinter
+from .launch import engine_sets, launchers, prewarm, startup
+from .launch.engine_sets import Engines
+from .launch.folder import SessionFolder
+from .launch.rendezvous import Rendezvous
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
@@ -112,47 +111,33 @@ def visible_cuda_devices() -> list[str]:
 
 
 class Session:
+    """The facade over a session's owners, each the only writer of its state:
+
+    - ``folder`` (SessionFolder): the 0700 folder, the mark of our processes, the watchdog;
+    - ``rendezvous`` (Rendezvous): the store the kernel hosts, the attempt and its nonce;
+    - ``engines`` (Engines): which engine serves which rank, the client, template, spares;
+    - ``book`` (RankBook): each rank's row, busy, failed and stuck ranks;
+    - ``background`` (BackgroundCell): the --background cell, if one runs.
+
+    ``last`` (the last cell's CellResult) and ``running`` are the facade's own."""
+
     def __init__(self, plan: SessionPlan, warmed: prewarm.Warmed | None = None):
         """``warmed``: a template warmed ahead (see prewarm.py), whose folder, template and
         watchdog this session adopts."""
         self.plan = plan
-        self.attempt = 0
-        # Every key of the session lives under an unguessable root, and each attempt's
-        # process groups under a fresh nonce: nobody can prepare keys for a restart.
-        self._token = secrets.token_hex(16)
-        self._attempt_key = secrets.token_hex(8)
-        self.ranks: list[RankState] = []
+        self.folder = SessionFolder(warmed)
+        self.rendezvous = Rendezvous(plan)
+        self.engines = Engines(plan, self.folder, warmed)
+        self.book = RankBook()
+        self.background = BackgroundCell()
         self.last: CellResult | None = None
         self.running = False
-        self._busy: set[int] = set()
-        self._idle_since = time.monotonic()  # when a rank was last busy (execution.idle_for)
-        self._errored: set[int] = set()
-        self._store = None
-        self._keys = None  # the session's keys in _store (see processes.start_store)
-        self._workdir = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
-        # Engines on another host find no such file in their copy of this folder (see
-        # engine.remove_remote_copy); on this host they do.
-        open(os.path.join(self._workdir, KERNEL_MARK), "w").close()
-        self._created = warmed.created if warmed else time.time()  # no process of ours is older
-        self._lock = threading.Lock()
-        self.engines = processes.Engines()  # controller, client and its lock, engine processes
-        if warmed:
-            self.engines.template = warmed.template
-            self.engines.template_env = launchers.template_env(plan)  # the same, per plan
-        self._background: execution.Background | None = None
-        self._stuck: set[int] = set()  # ranks that ignored an interrupt and still run
-        self._late_stacks: list[str] = []  # store keys of stack answers nobody waited for
-        self._ask_lock = threading.Lock()  # one question to the ranks at a time
-        self._watchdog = warmed.watchdog if warmed else None
-        self._made_init_file = False  # stop() removes a file:// path only if we made it
 
     # ----- start / stop -------------------------------------------------------------------
     def start(self, progress: Progress | None = None) -> Session:
         t0 = time.perf_counter()
-        method = self.plan.init_method
-        self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
         try:
-            processes.start_store(self)
+            self.rendezvous.host()
             self._launch(progress)
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
@@ -161,26 +146,33 @@ class Session:
             self.stop()
             raise engine_sets.start_error(self.plan, e) from None
         self.running = True
-        engine_sets.plan_standby(self)  # spares for a first hard restart, once idle
+        self.engines.plan_standby(self.book.idle_for)  # spares for a hard restart, once idle
         atexit.register(self.stop)
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
 
     def _launch(self, progress: Progress | None) -> None:
         """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
-        supervision.start_watchdog(self)
-        engine_sets.start_engines(self, progress)
-        processes.bootstrap_ranks(self, progress)
-
-    @property
-    def _profile_dir(self) -> str:
-        """ipyparallel puts this in every process it launches (IPP_PROFILE_DIR): it marks
-        the processes this session started, and only them (the folder is ours alone)."""
-        return launchers.profile_dir(self._workdir)
+        self.folder.arm_watchdog()
+        self.engines.start(progress)
+        rows = startup.bootstrap_ranks(
+            self.plan, self.engines, self.rendezvous, self.folder, progress
+        )
+        self.book.record(rows)
 
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def attempt(self) -> int:
+        """How many times the process groups were rebuilt (restarts, releases)."""
+        return self.rendezvous.attempt
+
+    @property
+    def ranks(self) -> list[RankState]:
+        """Each rank's row as last recorded (``status()`` brings them up to date)."""
+        return self.book.rows
 
     @property
     def layout(self):
@@ -193,19 +185,13 @@ class Session:
         """End everything this session started: engines, controller, store. Idempotent."""
         global _current
         self.running = False
-        remote_folders = processes.remote_folder_removers(self)  # before the engines go
-        engine_sets.stop_processes(self)
-        processes.remove_remote_folders(self, remote_folders)
-        supervision.end_watchdog(self)  # last: it covers a kernel killed while the rest stops
-        if self.engines.loop is not None:
-            self.engines.loop.call_soon_threadsafe(self.engines.loop.stop)
-            self.engines.loop = None
-        self._keys = None
-        self._store = None  # the TCPStore server closes with its last reference
-        shutil.rmtree(self._workdir, ignore_errors=True)
-        remove_shared_files(self._workdir)  # none is left but by an engine that was killed
-        if self._made_init_file:  # a path the user made stays (it may be theirs)
-            processes.remove_quietly(self.plan.init_method.path)
+        remote_folders = startup.remote_folder_removers(self.engines)  # before the engines go
+        self.engines.stop_all()
+        startup.remove_remote_folders(self.folder, remote_folders)
+        self.folder.disarm_watchdog()  # last: it covers a kernel killed while the rest stops
+        self.engines.client.stop_loop()
+        self.rendezvous.close()
+        self.folder.remove()  # and the shared-memory files only a killed engine leaves
         if _current is self:
             _current = None
         try:
@@ -218,16 +204,15 @@ class Session:
         """Soft: new process groups under a fresh store prefix on the same engines, keeping
         every variable. Hard: new engines (variables are lost). A soft restart that cannot
         work (a rank is dead, or stuck in native code) says so and names --hard."""
-        if self.engines.cluster is None:
+        if self.engines.client.cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
         # A hard restart may end a background cell that was told to stop and did not.
-        execution.refuse_beside_background(self, "%dist_restart", unless_interrupted=hard)
-        self.attempt += 1
-        self._attempt_key = secrets.token_hex(8)
+        self.background.refuse("%dist_restart", unless_interrupted=hard)
+        self.rendezvous.next_attempt()
         if hard:
             self._restart_hard(progress)
             return
-        self._require_running()
+        self.require_running()
         dead = supervision.dead_ranks(self, range(self.world_size))
         if dead:
             raise DistUsageError(
@@ -239,31 +224,29 @@ class Session:
                 f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
                 "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
             )
-        with self.engines.lock:
+        attempt, nonce = self.rendezvous.attempt, self.rendezvous.nonce
+        with self.engines.client.lock:
             pending = {
-                r: processes.rank_view(self, r).apply_async(
-                    bootstrap.reinit_distributed, self.attempt, self._attempt_key
-                )
+                r: self.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
                 for r in range(self.world_size)
             }
         try:
-            processes.record_ranks(
-                self, processes.gather(self, pending, what="restart", timeout=60)
-            )
+            infos = self.engines.client.gather(pending, what="restart", timeout=60)
         except DistCellError as e:
             raise DistCellError(
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
-        self._errored = set()
+        self.book.record(startup.rank_table(self.plan, self.engines, infos))
+        self.book.restarted(hard=False)
 
     def _restart_hard(self, progress: Progress | None) -> None:
         """New engines; if they cannot come up, stop everything rather than leave half a
         session running."""
-        # A running controller stays (see ensure_controller), and the spare engines forked
-        # while the session was idle become the ranks (see engine_sets.Standby).
-        engine_sets.stop_engines(self, keep_standby=True)
-        remove_shared_files(self._workdir)
-        self.engines.pids, self._errored, self._stuck = {}, set(), set()
+        # A running controller stays (see Client.ensure_controller), and the spare engines
+        # forked while the session was idle become the ranks (see spares.py).
+        self.engines.stop_engines(keep_standby=True)
+        self.folder.remove_shared_files()
+        self.book.restarted(hard=True)
         try:
             self._launch(progress)
         except KeyboardInterrupt:
@@ -279,7 +262,7 @@ class Session:
                 getattr(e, "ranks", []),
             ) from None
         self.running = True
-        engine_sets.plan_standby(self)
+        self.engines.plan_standby(self.book.idle_for)
 
     # ----- running code -------------------------------------------------------------------
     def run(
@@ -298,15 +281,15 @@ class Session:
         cell's streams, or through ``printer``). Raises DistCellError (labeled tracebacks)
         when any rank raised, DistUsageError while a background cell runs."""
         targets = execution.resolve_targets(self, ranks, where)
-        self._require_running()
-        execution.refuse_beside_background(self, "%%dist")
+        self.require_running()
+        self.background.refuse("%%dist")
         return execution.run(
             self,
             code,
             targets,
             collapse,
             max_lines,
-            printer or execution.TextPrinter(echo),
+            printer or TextPrinter(echo),
         )
 
     def run_background(
@@ -316,12 +299,12 @@ class Session:
         while the ranks work. Output and errors go to ``printer``; the result to ``last``.
         One at a time: other cells (and pull, push, bench, restart) are refused until it
         ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
-        return execution.run_background(self, code, ranks, printer=printer, **kw)
+        return self.background.start(self, code, ranks, printer=printer, **kw)
 
     def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
         """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
         and nothing else. Returns the ranks signalled."""
-        return execution.interrupt(self, ranks)
+        return self.background.interrupt(self, ranks)
 
     def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
         """Every thread's Python stack on each rank (the cell's thread as 'Current thread');
@@ -342,34 +325,34 @@ class Session:
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         what = getattr(fn, "__name__", "call")
         targets = self._targets_for(what, ranks)
-        return self._apply_each({r: (fn, args) for r in targets}, what, timeout)
+        return self.apply_each({r: (fn, args) for r in targets}, what, timeout)
 
     def _targets_for(self, what: str, ranks: str | list[int] | None) -> list[int]:
         """The ranks a call goes to, once the session can take it."""
-        self._require_running()
-        execution.refuse_beside_background(self, what)
+        self.require_running()
+        self.background.refuse(what)
         return parse_ranks(ranks, self.world_size)
 
-    def _apply_each(
+    def apply_each(
         self, calls: dict[int, tuple], what: str, timeout: float | None = None
     ) -> dict[int, Any]:
         """``apply`` with a function and arguments of its own per rank: ``{rank: (fn, args)}``."""
         targets = list(calls)
-        with self.engines.lock:
+        with self.engines.client.lock:
             pending = {
-                r: processes.rank_view(self, r).apply_async(fn, *args)
-                for r, (fn, args) in calls.items()
+                r: self.engines.view(r).apply_async(fn, *args) for r, (fn, args) in calls.items()
             }
-        execution.set_busy(self, targets, True)
+        self.book.set_busy(targets, True)
         try:
-            return processes.gather(self, pending, what=what, timeout=timeout)
+            timeout = timeout or self.plan.timeout + 60
+            return self.engines.client.gather(pending, what=what, timeout=timeout)
         except KeyboardInterrupt:
             supervision.send_signal(self, signal.SIGINT, targets)
             raise DistInterrupted(
                 f"{what} interrupted; {rank_label(targets)[1:-1]} were sent SIGINT."
             ) from None
         finally:
-            execution.set_busy(self, targets, False)
+            self.book.set_busy(targets, False)
 
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a namespace variable, tensors moved to CPU (through shared
@@ -378,20 +361,14 @@ class Session:
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
-        targets = self._targets_for("push_values", ranks)
-        try:
-            transfer.push(self, values, targets)
-        except (DistUsageError, DistCellError):
-            raise
-        except Exception as e:  # ipyparallel could not serialize a value: nothing was sent
-            raise DistUsageError(_unsendable_text(values, e)) from None
+        transfer.push(self, values, self._targets_for("push_values", ranks))
 
     def post_mortem(
         self, code: str, ranks: str | list[int] | None = None, *, echo: bool = True
     ) -> dict[int, str]:
         """Run ``code`` in the failing frame (its locals and globals) on each rank that failed
         in the last cell, or on ``ranks`` of those; ``{rank: output}``, shown labeled."""
-        self._require_running()
+        self.require_running()
         targets = self._failed_ranks(ranks)
         dead = supervision.dead_ranks(self, targets)
         if dead:
@@ -399,7 +376,7 @@ class Session:
         out = self.apply(postmortem.post_mortem, code, ranks=targets, timeout=60)
         if echo:
             shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
-            execution.TextPrinter(echo).out("".join(shown))
+            TextPrinter(echo).out("".join(shown))
         return out
 
     def _failed_ranks(self, ranks: str | list[int] | None) -> list[int]:
@@ -427,11 +404,11 @@ class Session:
     def template_rss(self) -> int | None:
         """The warm template's resident memory while it runs (engines fork from it), else
         None. Its pages are shared with every engine forked from it until one writes them."""
-        return engine_sets.template_rss(self)
+        return self.engines.template.rss()
 
     def spare_engines(self) -> int:
-        """How many engines wait for the next hard restart (see engine_sets.Standby)."""
-        return engine_sets.spare_count(self)
+        """How many engines wait for the next hard restart (see spares.py)."""
+        return self.engines.spare_count()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -445,24 +422,8 @@ class Session:
 
         return viz.session_mimebundle(self)
 
-    def _require_running(self) -> None:
+    def require_running(self) -> None:
+        """DistUsageError unless the session runs and its controller answers."""
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
-        processes.require_controller(self)
-
-
-def _unsendable_text(values: dict, error: Exception) -> str:
-    """Name the value that cannot travel to the ranks (tried one by one, only on failure)."""
-    from ipyparallel.serialize import serialize_object
-
-    for name, value in values.items():
-        try:
-            serialize_object(value)
-        except Exception:
-            kind = f"{type(value).__module__}.{type(value).__qualname__}"
-            kind = kind.removeprefix("builtins.")
-            return (
-                f"cannot send `{name}` to the ranks: {kind} cannot be pickled. Send the data "
-                "it holds instead, or create it on the ranks in a %%dist cell."
-            )
-    return f"cannot send {', '.join(f'`{n}`' for n in values)} to the ranks: {one_line(error)}"
+        self.engines.client.require_controller()

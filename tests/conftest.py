@@ -24,7 +24,7 @@ def session4():
     # Its spare engines (engine_sets.Standby) first: forked at the first idle second, they
     # would compete with some test's timed cell for the CPU.
     session.engines.standby.launch.result(60)
-    while len(set(session.engines.client.ids) - session.engines.standby.known) < 4:
+    while len(session.engines.client.ids() - session.engines.standby.known) < 4:
         time.sleep(0.05)
     yield session
     session.stop()
@@ -93,11 +93,10 @@ def kernel():
 # the session object, so a session a test starts by hand never passes for one of these).
 _PROBE = """\
 from infini_notebook import cluster as _c
-from infini_notebook.launch import processes as _p
 _s = _c.current()
-print(getattr(_s, '_test_flags', None) == {flags!r} and _p.controller_running(_s)
+print(getattr(_s, 'test_flags', None) == {flags!r} and _s.engines.client.controller_running()
       and all(r.state in ('idle', 'error') for r in _s.status()))
-del _c, _p, _s"""
+del _c, _s"""
 
 
 # Kernel code that waits until the spare engines the session forks once idle
@@ -107,8 +106,8 @@ import time as _time
 _spare = dist_session.engines.standby
 _deadline = _time.monotonic() + 60
 if _spare is not None:
-    _set = dist_session.engines.cluster.engines[_spare.launch.result(60)]
-    while len(set(dist_session.engines.client.ids) - _spare.known) < dist_session.world_size:
+    _set = dist_session.engines.client.cluster.engines[_spare.launch.result(60)]
+    while len(dist_session.engines.client.ids() - _spare.known) < dist_session.world_size:
         assert _time.monotonic() < _deadline, "the spare engines did not register in 60 s"
         _time.sleep(0.05)
     print(sorted(_l.process.pid for _l in _set.launchers.values()))"""
@@ -126,7 +125,7 @@ def use_session(kernel: KernelCells, flags: str | None, timeout: int = 240) -> N
         if flags is None:
             return
         kernel.run(f"%dist_start {flags}", timeout=timeout)
-        kernel.run(f"dist_session._test_flags = {flags!r}")
+        kernel.run(f"dist_session.test_flags = {flags!r}")
     kernel.run(SPARES, timeout=90)
 
 
@@ -136,7 +135,7 @@ def use_session(kernel: KernelCells, flags: str | None, timeout: int = 240) -> N
 KILL_CONTROLLER = """\
 import psutil, time
 from infini_notebook import cluster as _c
-_p = psutil.Process(_c.current().engines.cluster.controller.process.pid)
+_p = psutil.Process(_c.current().engines.client.cluster.controller.process.pid)
 _p.kill()
 try:
     while _p.status() != psutil.STATUS_ZOMBIE:

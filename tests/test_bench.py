@@ -296,7 +296,7 @@ GPU_SCRIPT = textwrap.dedent(
         # read + written 20 times), synchronized: a unit slip (ms as s) is 1000x off
         session.run(
             "import time\n"
-            "from infini_notebook import bench_engine as bench\n"
+            "from infini_notebook.engine import bench_kernels as bench\n"
             "src = torch.ones(64 << 20, device=device); dst = torch.empty_like(src)\n"
             "copies = lambda: [dst.copy_(src) for _ in range(20)]\n"
             "copies()\n"

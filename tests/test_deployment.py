@@ -148,22 +148,21 @@ def test_a_pid_is_ours_only_if_the_process_carries_the_sessions_mark(tmp_path):
     process marked with the session's profile folder is ever recorded (and signalled)."""
     import subprocess
     import sys
-    import types
 
-    from infini_notebook.launch.processes import own_process
+    from infini_notebook.launch.engine_sets import own_process
 
-    s = types.SimpleNamespace(_profile_dir=str(tmp_path / "profile"))
+    profile_dir = str(tmp_path / "profile")
     # Each says it is up first: Popen returns once exec has begun, and until the kernel has
     # set the new program's environment up, /proc shows it empty (seen once under load).
     sleep = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(30)"]
     stranger = subprocess.Popen(sleep, stdout=subprocess.PIPE)
-    marked = dict(os.environ, IPP_PROFILE_DIR=s._profile_dir)
+    marked = dict(os.environ, IPP_PROFILE_DIR=profile_dir)
     ours = subprocess.Popen(sleep, env=marked, stdout=subprocess.PIPE)
     assert stranger.stdout.readline() == ours.stdout.readline() == b"up\n"
     try:
-        assert own_process(s, stranger.pid) is None
-        assert own_process(s, ours.pid).pid == ours.pid
-        assert own_process(s, 2**22 + 1) is None  # no such pid
+        assert own_process(profile_dir, stranger.pid) is None
+        assert own_process(profile_dir, ours.pid).pid == ours.pid
+        assert own_process(profile_dir, 2**22 + 1) is None  # no such pid
     finally:
         for proc in (stranger, ours):
             proc.kill()
@@ -185,7 +184,8 @@ def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel)
 def test_engines_elsewhere_remove_their_copy_of_the_session_folder(tmp_path):
     """mpiexec and Slurm engines on another host create the session's folder there; the
     kernel's own (this host, or a shared filesystem) carries a mark and stays."""
-    from infini_notebook.engine.bootstrap import KERNEL_MARK, remove_remote_copy
+    from infini_notebook.engine.bootstrap import remove_remote_copy
+    from infini_notebook.launch.watchdog import KERNEL_MARK
 
     copy = tmp_path / "infini-notebook-abc123"
     (copy / "profile" / "log").mkdir(parents=True)
@@ -206,7 +206,7 @@ def test_sigkill_of_the_kernel_removes_the_session_folder():
 
     with fresh_kernel() as cells:
         cells.run("%dist_start --nprocs 2", timeout=180)
-        folder = text_of(cells.run("print(dist_session._workdir)")).strip()
+        folder = text_of(cells.run("print(dist_session.folder.path)")).strip()
         assert os.path.isdir(folder)
         os.kill(cells.kernel_pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -240,7 +240,7 @@ def test_gpus_help_matches_the_readme():
 # prefix (here garbage for gloo's rank addresses) broke the restart.
 INTRUDER = """\
 import torch.distributed as dist
-intruder = dist.TCPStore("127.0.0.1", dist_session._store.port, is_master=False)
+intruder = dist.TCPStore("127.0.0.1", dist_session.rendezvous.port, is_master=False)
 for r in range(2):
     intruder.set(f"attempt_{dist_session.attempt + 1}/0//cpu//0/{r}", "garbage")
     intruder.set(f"infini/telemetry/{r}", '{"rss": 1}')  # forged telemetry
@@ -258,9 +258,9 @@ def test_session_keys_are_unguessable_and_keys_written_ahead_do_not_disturb_a_re
     keys = text_of(
         kernel.run(
             "from infini_notebook.engine.rank_services import session_root\n"
-            "root = session_root(dist_session._token)\n"
+            "root = session_root(dist_session.rendezvous.token)\n"
             "ours = [k for k in intruder.list_keys() if k.startswith(root + '/')]\n"
-            "print(len(dist_session._token), len(ours) > 4,"
+            "print(len(dist_session.rendezvous.token), len(ours) > 4,"
             " sorted({k.split('/')[1].split('-')[0] for k in ours}))"
         )
     )

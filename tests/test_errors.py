@@ -102,7 +102,7 @@ def test_a_local_start_failure_shows_the_cause_not_host_advice():
 def _marked(proc: psutil.Process, session) -> bool:
     try:
         mark = proc.environ().get(MARK)
-        return mark == session._profile_dir and proc.status() != psutil.STATUS_ZOMBIE
+        return mark == session.folder.profile_dir and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

@@ -249,11 +249,11 @@ def test_hard_restart_brings_back_a_controller_that_died(kernel):
     assert psutil.wait_procs(spares, timeout=15)[1] == []
     out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
     assert all(f"[rank {r}] 4.0" in out for r in range(4))
-    alive = text_of(kernel.run("print(_c.current().engines.cluster.controller.state)"))
+    alive = text_of(kernel.run("print(_c.current().engines.client.cluster.controller.state)"))
     assert alive.strip() == "running"
     files = text_of(  # the dead controller's connection files are gone with it
         kernel.run(
-            "import glob\nprint(len(glob.glob(_c.current().engines.cluster.profile_dir"
+            "import glob\nprint(len(glob.glob(_c.current().engines.client.cluster.profile_dir"
             " + '/security/ipcontroller-*-client.json')))"
         )
     )
@@ -291,7 +291,8 @@ def test_everything_listens_on_loopback(kernel):
 # must not run what it sends; with the right key both work (so the refusals are not noise).
 FORGE = """\
 import glob, json, os, ipyparallel as ipp
-path, = glob.glob(f"{dist_session.engines.cluster.profile_dir}/security/ipcontroller-*-client.json")
+profile = dist_session.folder.profile_dir
+path, = glob.glob(f"{profile}/security/ipcontroller-*-client.json")
 info = json.load(open(path))
 print("scheme", info["signature_scheme"], "key set", bool(info["key"]))
 try:
@@ -348,7 +349,7 @@ def test_sigkill_of_the_kernel_ends_every_process():
 STALLED_PULL = """\
 import glob, os, threading, time
 from infini_notebook.engine import shm_transport
-shm_prefix = shm_transport.file_prefix(dist_session._workdir)
+shm_prefix = shm_transport.file_prefix(dist_session.folder.path)
 threading.Thread(target=dist_session.pull, args=("stalled",), daemon=True).start()
 deadline = time.monotonic() + 30
 while len(glob.glob(shm_prefix + "-*")) < 2 and time.monotonic() < deadline:

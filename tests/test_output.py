@@ -153,7 +153,8 @@ def test_ten_thousand_carriage_return_updates_end_in_one_exact_line(kernel, rank
 # ----- item 4: the private internals we patch, in effect on a real engine -----------------------
 def test_engine_patches_are_in_effect_on_every_rank(kernel, ranks):
     cell = kernel.run(
-        "%%dist\nfrom infini_notebook import engine_output, engine_tuning\n"
+        "%%dist\nfrom infini_notebook.engine import output_streams as engine_output\n"
+        "from infini_notebook.engine import tuning as engine_tuning\n"
         "print(all(engine_tuning.in_effect().values()), engine_output.installed(),\n"
         "      all(p.idle() for p in engine_output._state['pipes']))"  # no marker needed now
     )
@@ -178,7 +179,7 @@ def test_an_interrupted_cell_releases_its_message_records(kernel, ranks):
     threading.Thread(target=press_stop).start()
     kernel.run("%%dist\nimport time\ntime.sleep(30)", allow_error=True, timeout=60)
     cell = kernel.run(
-        "c = dist_session.engines.client\nwith dist_session.engines.lock:\n"
+        "c = dist_session.engines.client.ipp_client\nwith dist_session.engines.client.lock:\n"
         "    print(len(c.history), len(c.results), len(set(c.metadata) - {'submitted'}))"
     )
     assert text_of(cell).split() == ["0", "0", "0"]
@@ -194,11 +195,11 @@ def test_a_cell_ended_by_a_dead_rank_releases_the_records_of_the_others(kernel, 
     # The others were interrupted as the cell ended; their records go as their replies come
     # (at the next cell's clean-up); the dead rank's once the controller fails it.
     count = (
-        "import time\nc = dist_session.engines.client\nfor _ in range(20):\n"
+        "import time\nc = dist_session.engines.client.ipp_client\nfor _ in range(20):\n"
         "    try:  # right after an interrupt the engine may abort it: its clean-up runs\n"
         "        dist_session.run('pass', ranks='0', echo=False)\n"
         "    except Exception:\n        pass\n"
-        "    with dist_session.engines.lock:\n"
+        "    with dist_session.engines.client.lock:\n"
         "        left = (len(c.history), len(c.results))\n"
         "    if left[0] <= 1 and left[1] == 0:\n        break\n    time.sleep(0.5)\nprint(*left)"
     )

@@ -34,13 +34,13 @@ def test_a_cells_last_value_is_freed_on_the_ranks_and_in_the_client(session4):
     for _ in range(3):
         session4.run("1", echo=False)
     session4.pull("rank")
-    client = session4.engines.client
-    with session4.engines.lock:  # the session purges the controller from its own thread
+    client = session4.engines.client.ipp_client
+    with session4.engines.client.lock:  # the session purges the controller from its own thread
         assert client.outstanding == set()
         assert client.results == {} and len(client.history) == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with session4.engines.lock:
+        with session4.engines.client.lock:
             records = client.hub_history()
         if not records:
             break

@@ -160,7 +160,7 @@ def test_hard_restart_and_stop_end_every_process_they_started(kernel):
     # a hard restart keeps the watchdog, the controller (new engines register with it) and
     # the warm template (new engines fork from it); every engine and nanny is new
     kept = ("infini_notebook.launch.watchdog", "infini_notebook.launch.controller")
-    template = int(text_of(kernel.run("print(dist_session.engines.template.pid)")))
+    template = int(text_of(kernel.run("print(dist_session.engines.template.process.pid)")))
     before = [psutil.Process(p) for p in eval(text_of(started).strip().splitlines()[-1])]
     first = [p for p in before if not any(k in _cmd(p) for k in kept) and p.pid != template]
     controller = {p.pid for p in before if "infini_notebook.launch.controller" in _cmd(p)}

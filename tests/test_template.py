@@ -29,7 +29,7 @@ def test_forked_engines_have_their_own_pids_and_random_streams(session4):
     draws = session4.pull("_draws")
     pids, parents, *streams = zip(*draws.values())
     assert len(set(pids)) == 4
-    assert set(parents) == {session4.engines.template.pid}  # forked, not started by Popen
+    assert set(parents) == {session4.engines.template.process.pid}  # forked, not started by Popen
     for stream in streams:  # torch, its seed, random, numpy: a fresh draw on every rank
         assert len(set(stream)) == 4, streams
 
@@ -61,7 +61,7 @@ get_ipython().run_cell_magic("dist", "--background", "import time; time.sleep(3)
 
 def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_replaced(kernel):
     use_session(kernel, TWO)
-    say = "print(dist_session.engines.template.pid, dist_session.engines.how)"
+    say = "print(dist_session.engines.template.process.pid, dist_session.engines.how)"
     first = text_of(kernel.run(say)).split()[0]
     spares = text_of(kernel.run(SPARES)).strip()  # forked once the session was idle
     assert spares  # use_session waited for them
@@ -78,7 +78,7 @@ def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_repl
     # No new spares while a cell keeps the ranks busy: their start would slow it.
     waiting = "import time; time.sleep(2); print(dist_session.engines.standby.launch.done())"
     assert text_of(kernel.run(waiting)).strip() == "False"
-    kernel.run("dist_session._background.thread.join(30)")
+    kernel.run("dist_session.background.join(30)")
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
 
@@ -122,7 +122,7 @@ def test_no_template_starts_engines_as_new_processes_and_says_so(kernel):
         )
     )
     assert cmds.count("-m ipyparallel.engine") == 2
-    assert "None" in text_of(kernel.run("print(dist_session.engines.template)"))
+    assert "None" in text_of(kernel.run("print(dist_session.engines.template.process)"))
     kernel.run("%dist_stop")
 
 
@@ -148,12 +148,12 @@ def test_the_template_refuses_to_fork_with_threads_or_cuda():
 
 
 WARMED = (
-    "from infini_notebook import prewarm\n"
+    "from infini_notebook.launch import prewarm\n"
     "_w = prewarm._warmed\n"
     "print(_w.template.pid, _w.watchdog.pid, _w.workdir) if _w else print('none')"
 )
 SAY_SESSION = (
-    "print(dist_session.engines.template.pid, dist_session._workdir, dist_session.engines.how)"
+    "_e = dist_session.engines\nprint(_e.template.process.pid, dist_session.folder.path, _e.how)"
 )
 
 

@@ -26,12 +26,12 @@ BIG = 1 << 20  # elements: past MIN_BYTES whatever the dtype
 
 
 def session_files(session) -> list[str]:
-    return glob.glob(glob.escape(shm_transport.file_prefix(session._workdir)) + "-*")
+    return glob.glob(glob.escape(shm_transport.file_prefix(session.folder.path)) + "-*")
 
 
 def mappings(session, pid: int | str = "self") -> int:
     """How many mappings of the session's shared-memory files (removed or not) ``pid`` has."""
-    prefix = shm_transport.file_prefix(session._workdir)
+    prefix = shm_transport.file_prefix(session.folder.path)
     with open(f"/proc/{pid}/maps") as f:
         return sum(prefix in line for line in f)
 
@@ -222,7 +222,7 @@ def test_stop_and_hard_restart_remove_the_sessions_files():
     session.start()
     try:
         session.push({"x": torch.ones(BIG)})
-        leftover = shm_transport.new_path(session._workdir, "pull") + "-0"
+        leftover = shm_transport.new_path(session.folder.path, "pull") + "-0"
         open(leftover, "w").close()  # as a rank killed while it wrote would leave one
         session.restart(hard=True)
         assert session_files(session) == []

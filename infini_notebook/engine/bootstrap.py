@@ -85,14 +85,11 @@ def bootstrap(cfg: dict) -> dict:
     return describe_rank(user_namespace()["device"])
 
 
-KERNEL_MARK = ".kernel"  # a file in the session's folder on the kernel's host
-
-
 def remove_remote_copy(workdir: str) -> bool:
     """mpiexec and Slurm engines on another host create the session's folder there (their
     profile, logs only; they read nothing from it once registered). Remove it, unless it
     is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
-    from ..launch.watchdog import FOLDER_PREFIX, remove_session_folder
+    from ..launch.watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_session_folder
 
     if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
         return False

@@ -7,22 +7,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.errors import DistCellError, DistUsageError
+from ..core.output import one_line
 from ..engine import bootstrap, shm_transport
 
 
 def shared_ranks(s, targets: list[int]) -> list[int]:
     """Of ``targets``, the ranks whose engine is a process of ours on this host (see
-    processes.own_process), when /dev/shm is there to use."""
+    engine_sets.own_process), when /dev/shm is there to use."""
     if not shm_transport.usable():
         return []
-    return [r for r in targets if r in s.engines.pids]
+    return [r for r in targets if s.engines.local(r) is not None]
 
 
 def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
     """``{rank: value}`` of ``name``. Each rank on this host writes its value's large buffers
     into a file made for it here; the value is rebuilt on a private mapping of that file,
     which is removed at once (the mapping stays)."""
-    paths = shm_transport.make_files(s._workdir, "pull", shared_ranks(s, targets))
+    paths = shm_transport.make_files(s.folder.path, "pull", shared_ranks(s, targets))
     calls = {
         r: (bootstrap.pull_shared, (name, paths[r]))
         if r in paths
@@ -30,19 +32,30 @@ def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
         for r in targets
     }
     try:
-        replies = s._apply_each(calls, "pull_value", timeout=60)
+        replies = s.apply_each(calls, "pull_value", timeout=60)
         return {r: shm_transport.received(replies[r], paths.get(r)) for r in targets}
     finally:
         shm_transport.remove(paths.values())
 
 
 def push(s, values: dict, targets: list[int]) -> None:
+    """Set ``values`` in the ranks' namespaces; DistUsageError naming a value that cannot
+    travel (then nothing was sent)."""
+    try:
+        _push(s, values, targets)
+    except (DistUsageError, DistCellError):
+        raise
+    except Exception as e:  # ipyparallel could not serialize a value: nothing was sent
+        raise DistUsageError(_unsendable_text(values, e)) from None
+
+
+def _push(s, values: dict, targets: list[int]) -> None:
     """Set ``values`` in the ranks' namespaces. Pickled once for the ranks on this host, their
     large buffers in one file that each maps copy-on-write, removed once all have answered."""
     shared = shared_ranks(s, targets)
     code = {k: v for k, v in values.items() if shm_transport.travels_as_code(v)}
     data = {k: v for k, v in values.items() if k not in code}
-    path = shm_transport.new_path(s._workdir, "push")
+    path = shm_transport.new_path(s.folder.path, "push")
     try:
         packed = shm_transport.pack_or_none(data, path) if shared else None
         if packed is None:  # ipyparallel's path for all (and its error for an unpicklable value)
@@ -53,9 +66,26 @@ def push(s, values: dict, targets: list[int]) -> None:
             else (bootstrap.push_values, (values,))
             for r in targets
         }
-        replies = s._apply_each(calls, "push_values", timeout=60)
+        replies = s.apply_each(calls, "push_values", timeout=60)
     finally:
         shm_transport.remove([path])
     missed = [r for r in shared if replies[r] is False]  # they see another /dev/shm
     if missed:
-        s._apply_each({r: (bootstrap.push_values, (values,)) for r in missed}, "push_values", 60)
+        s.apply_each({r: (bootstrap.push_values, (values,)) for r in missed}, "push_values", 60)
+
+
+def _unsendable_text(values: dict, error: Exception) -> str:
+    """Name the value that cannot travel to the ranks (tried one by one, only on failure)."""
+    from ipyparallel.serialize import serialize_object
+
+    for name, value in values.items():
+        try:
+            serialize_object(value)
+        except Exception:
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            kind = kind.removeprefix("builtins.")
+            return (
+                f"cannot send `{name}` to the ranks: {kind} cannot be pickled. Send the data "
+                "it holds instead, or create it on the ranks in a %%dist cell."
+            )
+    return f"cannot send {', '.join(f'`{n}`' for n in values)} to the ranks: {one_line(error)}"

@@ -12,7 +12,6 @@ import time
 from ..core import waits
 from ..core.output import one_line, remote_traceback
 from ..core.ranks import rank_label
-from ..launch import processes
 from . import supervision
 
 log = logging.getLogger("infini_notebook")
@@ -193,26 +192,26 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     links: dict[int, list] = {}
     if ending or (blocked and not nccl):
         alive = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
-        answers = supervision.ask(s, alive, "links", ASK_WAIT_S)
+        answers = s.rendezvous.ask(alive, "links", ASK_WAIT_S)
         links = {r: json.loads(text) for r, text in answers.items()}
     if ending:
         peer_links = [link for own in links.values() for link in own]
-        with s.engines.lock:
-            ar = processes.ranks_view(s, ending).apply_async(bootstrap.release_groups, peer_links)
+        with s.engines.client.lock:
+            ar = s.engines.view(ending).apply_async(bootstrap.release_groups, peer_links)
     if blocked and nccl:
-        supervision.ask(s, blocked, "abort", ASK_WAIT_S)
+        s.rendezvous.ask(blocked, "abort", ASK_WAIT_S)
     elif blocked:
         leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
         close = {r: waits.links_between(links, r, leaving) for r in blocked}
         questions = {r: f"close {s.attempt} {json.dumps(own)}" for r, own in close.items() if own}
         if questions:
-            supervision.ask(s, sorted(questions), questions, ASK_WAIT_S)
+            s.rendezvous.ask(sorted(questions), questions, ASK_WAIT_S)
     if ending:
         try:
             log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))
         except Exception as e:
             log.warning("ending the process groups of %s: %s", ending, e)
-        processes.forget(s, ar.msg_ids)
+        s.engines.client.forget(ar.msg_ids)
 
 
 # How a wait ends when its peer is gone: gloo's closed or reset connection, NCCL's abort.

@@ -194,3 +194,16 @@ BLOCK_ADVICE = (
     "GPU of each rank would be wrong. Place ranks in blocks: no SLURM_DISTRIBUTION=cyclic "
     "(or srun --distribution=block), mpiexec's default --map-by slot."
 )
+
+
+def start_advice(plan: SessionPlan) -> str:
+    """What to check when engines cannot start, for where they run."""
+    if plan.placement.remote:
+        return (
+            "Check that the hosts are reachable and run the same Python with "
+            "infini_notebook installed."
+        )
+    return (
+        f"The engines run {sys.executable} on this machine: check that it imports "
+        "ipyparallel, torch and infini_notebook, and your --env values."
+    )

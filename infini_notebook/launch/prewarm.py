@@ -50,8 +50,8 @@ def warm() -> None:
     global _warmed
     if sys.platform != "linux":
         return
-    from ..kernel import supervision
     from . import launchers, template_client
+    from .folder import spawn_watchdog
     from .watchdog import FOLDER_PREFIX
 
     with _lock:
@@ -61,7 +61,7 @@ def warm() -> None:
         created = time.time()
         workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         profile_dir = launchers.profile_dir(workdir)
-        watchdog = supervision.spawn_watchdog(profile_dir, created)  # first, as a session's
+        watchdog = spawn_watchdog(profile_dir, created)  # first, as a session's
         env = dict(os.environ)
         template = template_client.start_template(
             env,
@@ -120,7 +120,7 @@ def discard_locked() -> None:
 
 
 def end(warmed: Warmed) -> None:
-    from ..kernel.supervision import stop_watchdog
+    from .folder import stop_watchdog
     from .watchdog import end_all, remove_session_folder
 
     end_all([warmed.template], grace=0)

@@ -70,6 +70,7 @@ def end_all(procs: list[psutil.Process], grace: float = GRACE_S) -> None:
 
 
 FOLDER_PREFIX = "infini-notebook-"  # the session's folder (tempfile.mkdtemp's prefix)
+KERNEL_MARK = ".kernel"  # a file in the session's folder on the kernel's host
 
 
 def remove_session_folder(path: str) -> None:

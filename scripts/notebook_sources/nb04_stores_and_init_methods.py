@@ -109,7 +109,7 @@ CELLS = [
     """),
     code("""
     keys = sorted(kernel_store.list_keys())
-    root = f"infini-{dist_session._token}/"  # the session's keys: see below
+    root = f"infini-{dist_session.rendezvous.token}/"  # the session's keys: see below
     session_keys = [k for k in keys if k.startswith(root)]
     print(len(session_keys), "keys under the session's root, in",
           sorted({k[len(root):].split("/")[0].split("-")[0] for k in session_keys}))

@@ -1,0 +1,287 @@
+"""The ipyparallel side of a session: the controller (``Cluster``), the client and the lock
+every use of it holds (ipyparallel's Client is not thread-safe, and the foreground cell, a
+--background cell's thread and the status widget's poller all use it), the event loop
+ipyparallel runs on (see ``in_loop``), requests to the controller that never wait for ever,
+gathering replies, and purging finished work. :class:`Client` is the only writer of all of
+it."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from ..core import internals
+from ..core.errors import DistCellError, DistUsageError
+from ..core.output import error_report, error_summary, one_line, remote_traceback
+from ..core.plan import SessionPlan
+
+log = logging.getLogger("infini_notebook")
+
+DIGEST_HISTORY = 2**14
+HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at most
+CONTROLLER_TIMEOUT_S = 10.0  # the longest any single request to the controller may take
+# private: ipyparallel's own requests (queue_status, purge_hub_results) can wait for ever
+_QUERY_PARTS = ("_send", "_query_stream")
+CONTROLLER_GONE = (
+    "The session's ipyparallel controller is gone (it died or was killed), so nothing "
+    "reaches the ranks. Run %dist_restart --hard (variables are lost) or %dist_stop."
+)
+
+
+class ControllerGone(DistUsageError):
+    """The controller died: no request to the ranks can be answered."""
+
+    def __init__(self, what: str = ""):
+        super().__init__(f"{what}: {CONTROLLER_GONE}" if what else CONTROLLER_GONE)
+
+
+class Client:
+    def __init__(self):
+        self.lock = threading.RLock()  # held for every use of the client (see above)
+        self._cluster: Any = None
+        self._client: Any = None
+        self._loop: Any = None
+        self._unpurged: list[str] = []  # msg ids of finished work
+        self._purge_queued = False  # a purge of the controller's records is due soon
+
+    # ----- read-only views ------------------------------------------------------------------
+    @property
+    def cluster(self):
+        """ipyparallel's Cluster (its engine sets, the controller's launcher), or None."""
+        return self._cluster
+
+    @property
+    def ipp_client(self):
+        """ipyparallel's Client itself, for inspection (tests): use it under ``lock``."""
+        return self._client
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    @property
+    def loop(self):
+        return self._loop
+
+    def ids(self) -> set[int]:
+        """The engine ids registered with the controller now."""
+        with self.lock:
+            return set(self._client.ids) if self._client is not None else set()
+
+    def view(self, eids):
+        """ipyparallel's view of the engines ``eids`` (one id, or a list)."""
+        return self._client[eids]
+
+    # ----- the loop ---------------------------------------------------------------------------
+    def in_loop(self, coro, timeout: float = 120):
+        """Run an ipyparallel coroutine on this session's own event loop thread. The loop
+        keeps running between calls, so the launchers' exit callbacks (which record each
+        engine's exit code) fire; ``*_sync`` wrappers would leave them on a stopped loop."""
+        import asyncio
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=self._loop.run_forever, name="infini-session-loop", daemon=True
+            ).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def call_soon(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the session's loop (from any thread)."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def call_later(self, delay: float, fn, *args) -> None:
+        """On the loop's thread: run ``fn(*args)`` there in ``delay`` seconds."""
+        self._loop.call_later(delay, fn, *args)
+
+    def stop_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+    # ----- the controller ---------------------------------------------------------------------
+    def start_controller(self, plan: SessionPlan, profile_dir: str) -> None:
+        import ipyparallel as ipp
+
+        from . import launchers
+
+        self._cluster = ipp.Cluster(
+            **launchers.cluster_options(plan, profile_dir),
+            log=logging.getLogger("infini_notebook.ipyparallel"),
+            shutdown_atexit=True,
+        )
+        self.in_loop(self._cluster.start_controller(**launchers.controller_options()))
+        self._client = self.in_loop(self._cluster.connect_client())
+        # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
+        # after some thousand cells. Messages travel on loopback or CurveZMQ.
+        self._client.session.digest_history_size = DIGEST_HISTORY
+
+    def ensure_controller(self, plan: SessionPlan, profile_dir: str) -> None:
+        """Keep a running controller (a hard restart's new engines register with it);
+        replace one that died, its client and connection files first."""
+        if self.controller_running():
+            return
+        self.stop_controller(profile_dir)
+        self.start_controller(plan, profile_dir)
+
+    def controller_running(self) -> bool:
+        """By the process itself: the launcher's state lags a kill (its waiting thread
+        notices the exit, then the loop runs the callback), and a restart decided on that
+        state once kept a dead controller and then started a second one beside its files."""
+        controller = getattr(self._cluster, "controller", None)
+        if self._client is None or getattr(controller, "state", None) != "running":
+            return False
+        try:
+            return controller.process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def require_controller(self, what: str = "") -> None:
+        if self._cluster is not None and not self.controller_running():
+            raise ControllerGone(what)
+
+    def ask_controller(self, msg_type: str, content: dict, timeout: float = CONTROLLER_TIMEOUT_S):
+        """One request on the controller's query socket, its reply's content. Sent under the
+        client lock, waited for outside it, and never for longer than ``timeout``:
+        ipyparallel's own calls (queue_status, purge_results) wait for ever on a dead one."""
+        future = self._send_to_controller(msg_type, content)
+        try:
+            reply = future.result(timeout=timeout)
+        except Exception:
+            self.require_controller(msg_type)
+            raise TimeoutError(
+                f"the controller did not answer {msg_type} in {timeout:.0f}s"
+            ) from None
+        content = reply["content"]
+        if content.get("status") != "ok":
+            raise RuntimeError(f"the controller refused {msg_type}: {content}")
+        return content
+
+    def _send_to_controller(self, msg_type: str, content: dict):
+        """Send one request on the controller's query socket, under the client lock; the
+        future of its reply."""
+        with self.lock:
+            client = self._client
+            if client is None:
+                raise ControllerGone(msg_type)
+            internals.require(client, _QUERY_PARTS, "ipyparallel", "Client: controller requests")
+            return client._send(client._query_stream, msg_type, content=content)
+
+    def queue_status(self) -> dict[int, dict]:
+        """Each engine's queue lengths (``Client.queue_status()``, bounded)."""
+        from ipyparallel import util
+
+        content = self.ask_controller("queue_request", {"targets": None, "verbose": False})
+        content.pop("status", None)
+        return util.int_keys(content)
+
+    def send_signal(self, signum: int, eids: list[int]) -> None:
+        """Through each engine's nanny (for engines that are no process of ours here)."""
+        with self.lock:
+            if eids and self._client is not None:
+                self._client.send_signal(signum, targets=eids, block=False)
+
+    def close(self) -> None:
+        with self.lock:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:
+                    pass
+                self._client = None
+            self._unpurged = []
+
+    def stop_controller(self, profile_dir: str) -> None:
+        """The controller, running or dead, and its connection files (a controller that died
+        leaves them; a new one must not meet them). Engines first: see Engines.stop_all."""
+        self.close()
+        if self._cluster is None:
+            return
+        try:
+            self.in_loop(self._cluster.stop_controller())
+        except Exception as e:
+            log.warning("stopping the controller: %s", e)
+        security = os.path.join(profile_dir, "security")
+        for path in glob.glob(os.path.join(security, f"ipcontroller-{self._cluster.cluster_id}-*")):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        self._cluster = None
+
+    # ----- replies ------------------------------------------------------------------------
+    def gather(self, pending: dict, what: str, timeout: float) -> dict:
+        """Wait for one apply per rank; raise DistCellError naming the ranks that failed."""
+        deadline = time.monotonic() + timeout
+        out, errors, tracebacks = {}, {}, {}
+        for r, ar in pending.items():
+            while not ar.ready() and time.monotonic() < deadline:  # a dead controller: no reply
+                ar.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                if not ar.ready() and not self.controller_running():
+                    raise DistCellError(f"{what}: {CONTROLLER_GONE}")
+            try:
+                out[r] = ar.get(timeout=0)
+            except Exception as e:
+                errors[r] = one_line(e)
+                tracebacks[r] = remote_traceback(e)
+        # return values can be big (a pulled tensor): nothing here keeps a copy
+        self.forget([m for ar in pending.values() for m in ar.msg_ids])
+        if errors:
+            raise DistCellError(
+                f"{what} failed on {error_summary(errors, list(pending))}",
+                error_report(tracebacks),
+                sorted(errors),
+            )
+        return out
+
+    def forget(self, msg_ids: list[str]) -> None:
+        """Drop what ipyparallel keeps of finished work: the client's results, metadata and
+        history now, the controller's records soon after (see ``_purge_hub``). Work still
+        running (a rank that ignored an interrupt) is dropped once it ends."""
+        with self.lock:
+            client = self._client
+            if client is None:
+                return
+            self._unpurged.extend(msg_ids)
+            outstanding = client.outstanding  # a traitlet: slow to read once per message
+            done = {m for m in self._unpurged if m not in outstanding}
+            self._unpurged = [m for m in self._unpurged if m not in done]
+            if done:  # an empty list is refused by ipyparallel
+                client.purge_local_results(jobs=list(done))
+            client.history = [m for m in client.history if m not in done]
+            if self._purge_queued or self._loop is None:
+                return
+            self._purge_queued = True
+        self._loop.call_soon_threadsafe(self._loop.call_later, HUB_PURGE_DELAY_S, self._purge_hub)
+
+    def _purge_hub(self) -> None:
+        """Ask the controller to drop every finished task's record (results included, such
+        as a pulled tensor). On the session's loop thread, at most once per
+        HUB_PURGE_DELAY_S: a round trip costs about as much as an empty cell's tenth, and
+        the controller counts a task finished a little after the client does. Not waited
+        for: the loop also stops engines, and a controller that died would have held a hard
+        restart for the whole CONTROLLER_TIMEOUT_S."""
+        self._purge_queued = False
+        if not self.controller_running():
+            return
+        try:
+            future = self._send_to_controller("purge_request", {"engine_ids": [], "msg_ids": "all"})
+        except Exception as e:
+            log.debug("controller purge: %s", e)
+            return
+        future.add_done_callback(_log_purge_reply)
+
+
+def _log_purge_reply(future) -> None:
+    try:
+        status = future.result()["content"].get("status")
+    except Exception as e:
+        status = one_line(e)
+    if status != "ok":
+        log.debug("controller purge: %s", status)

@@ -1,0 +1,92 @@
+"""The session's folder and its guard: a 0700 temporary folder that only this session uses
+(ipyparallel's profile, connection files, logs, stack dumps), the mark every process of the
+session carries (the profile folder's path, see watchdog.MARK), and the watchdog that ends
+those processes if the kernel dies. :class:`SessionFolder` is the only writer of all three."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from . import launchers
+from .watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_shared_files
+
+
+class SessionFolder:
+    """Made at once (or adopted from a template warmed ahead: see prewarm.py); removed by
+    ``remove`` with the shared-memory files named after it."""
+
+    def __init__(self, warmed=None):
+        self.path: str = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        # No process of this session is older: the watchdog ends only those started after.
+        self.created: float = warmed.created if warmed else time.time()
+        self._watchdog: subprocess.Popen | None = warmed.watchdog if warmed else None
+        # Engines on another host find no such file in their copy of this folder (see
+        # engine.bootstrap.remove_remote_copy); on this host they do.
+        open(os.path.join(self.path, KERNEL_MARK), "w").close()
+
+    @property
+    def profile_dir(self) -> str:
+        """ipyparallel puts this in every process it launches (IPP_PROFILE_DIR): it marks
+        the processes this session started, and only them (the folder is ours alone)."""
+        return launchers.profile_dir(self.path)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def stack_file(self, rank: int, multi_host: bool) -> str | None:
+        """Where a rank on this host dumps its stacks on STACK_SIGNAL (None: on another host)."""
+        return None if multi_host else self.file(f"stacks-{rank}.txt")
+
+    # ----- the watchdog -------------------------------------------------------------------
+    def arm_watchdog(self) -> None:
+        """A small process that ends ours if this kernel dies, even by SIGKILL. Armed before
+        anything else starts, so a kernel killed while engines come up leaves nothing."""
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            return  # a hard restart keeps the session's watchdog (an adopted one too)
+        self._watchdog = spawn_watchdog(self.profile_dir, self.created)
+
+    def disarm_watchdog(self) -> None:
+        if self._watchdog is not None:
+            stop_watchdog(self._watchdog)
+        self._watchdog = None
+
+    # ----- the end ------------------------------------------------------------------------
+    def remove_shared_files(self) -> None:
+        """/dev/shm files named after the folder: none is left but by a killed engine."""
+        remove_shared_files(self.path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        remove_shared_files(self.path)
+
+
+def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:
+    """``python -m infini_notebook.launch.watchdog`` for the processes marked ``profile_dir``
+    started after ``since`` (see watchdog.py)."""
+    kernel = psutil.Process()
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infini_notebook.launch.watchdog",
+            f"{kernel.pid}:{kernel.create_time()}",
+            profile_dir,
+            repr(since),
+        ],
+        start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def stop_watchdog(watchdog: subprocess.Popen) -> None:
+    """End a watchdog that is no longer needed."""
+    if watchdog.poll() is None:
+        watchdog.terminate()
+        watchdog.wait(5)

@@ -1,0 +1,156 @@
+"""The rendezvous: the TCPStore the kernel hosts (torchelastic's agent store: it outlives any
+rank), the session's unguessable key root, the attempt number and its nonce, and the side
+channel through the store (questions to each rank's answering thread, telemetry).
+:class:`Rendezvous` is the only writer of all of it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import warnings
+from datetime import timedelta
+
+from ..core.errors import DistUsageError
+from ..core.plan import LOOPBACK, SessionPlan, is_loopback
+from ..engine import rank_services
+
+
+class Rendezvous:
+    def __init__(self, plan: SessionPlan):
+        self.plan = plan
+        # Every key of the session lives under an unguessable root, and each attempt's
+        # process groups under a fresh nonce: nobody can prepare keys for a restart.
+        self.token = secrets.token_hex(16)
+        self.attempt = 0
+        self._nonce = secrets.token_hex(8)
+        self._server = None  # the TCPStore server: it closes with its last reference
+        self._keys = None  # the session's keys in it (a PrefixStore under the root)
+        self._late: list[str] = []  # keys of answers nobody waited for
+        self._ask_lock = threading.Lock()  # one question to the ranks at a time
+        method = plan.init_method
+        self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
+
+    @property
+    def hosted(self) -> bool:
+        return self._keys is not None
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def nonce(self) -> str:
+        """This attempt's random part of the process groups' store prefix."""
+        return self._nonce
+
+    def host(self) -> None:
+        """Host the TCPStore here. We bind the listening socket ourselves: TCPStore alone
+        listens on every interface, whatever host it is given."""
+        import socket
+
+        import torch.distributed as dist
+
+        method = self.plan.init_method
+        host = method.host if method.kind == "tcp" else self.plan.bind_address
+        port = method.port if method.kind == "tcp" else 0
+        if not is_loopback(host):  # allowed (ranks elsewhere need it), but never silently
+            encrypted = self.plan.bind_address not in LOOPBACK
+            warnings.warn(
+                f"Listening on {host}: the rendezvous TCPStore has no authentication, so "
+                "anyone who reaches that address can join or disturb the session. Keep it on "
+                "a private network."
+                + (" ipyparallel's traffic is encrypted (CurveZMQ)." if encrypted else ""),
+                stacklevel=3,
+            )
+        try:
+            sock = socket.create_server((host, port), backlog=1024)
+            port = sock.getsockname()[1]
+            self._server = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
+            )
+            sock.detach()  # the store owns the descriptor now and closes it
+            self._keys = dist.PrefixStore(rank_services.session_root(self.token), self._server)
+        except Exception as e:  # port taken, address not ours
+            raise DistUsageError(
+                f"Cannot host the rendezvous store on {host}:{port} ({e}). "
+                "Pick a free port, or use the default env:// init method."
+            ) from None
+
+    def next_attempt(self) -> None:
+        """A restart's process groups live under a new attempt number and nonce."""
+        self.attempt += 1
+        self._nonce = secrets.token_hex(8)
+
+    def engine_fields(self) -> dict:
+        """What a rank's bootstrap config needs of the rendezvous (see engine.bootstrap)."""
+        method = self.plan.init_method
+        address = self.plan.store_address or self._server.host  # never 0.0.0.0
+        store = {"kind": method.kind, "host": address, "port": self._server.port}
+        if method.kind == "file":
+            store = {"kind": "file", "path": method.path}
+        return {
+            "master_addr": address,
+            "master_port": self._server.port,
+            "store": store,
+            "attempt": self.attempt,
+            "token": self.token,
+            "attempt_key": self._nonce,
+        }
+
+    def close(self) -> None:
+        """Drop the store (the server closes with its last reference) and a file:// init
+        path made for the session (a path the user made stays: it may be theirs)."""
+        self._keys = None
+        self._server = None
+        if self._made_init_file:
+            try:
+                os.remove(self.plan.init_method.path)
+            except OSError:
+                pass
+
+    # ----- the side channel ---------------------------------------------------------------
+    def ask(self, ranks: list[int], question: str | dict[int, str], wait: float) -> dict[int, str]:
+        """Ask each rank's answering thread (rank_services) through the store (one question
+        for all, or one per rank); the answers that came within ``wait`` seconds. Later ones
+        are deleted at the next question."""
+        store = self._keys
+        if store is None:
+            return {}
+        with self._ask_lock:  # a running cell asks while %dist_stacks may ask beside it
+            for key in self._late:  # answers that came after we stopped waiting
+                store.delete_key(key)
+            self._late = []
+            answers = {}
+            for r in ranks:
+                n = store.add(rank_services.stack_key(r, "count"), 1)
+                asked = question[r] if isinstance(question, dict) else question
+                store.set(rank_services.stack_key(r, "ask", n), asked)
+                answers[r] = rank_services.stack_key(r, "answer", n)
+            try:
+                store.wait(list(answers.values()), timedelta(seconds=wait))
+            except Exception:  # a rank did not answer in time; the others did
+                pass
+            out: dict[int, str] = {}
+            for r, key in answers.items():
+                if store.check([key]):
+                    out[r] = store.get(key).decode(errors="replace")
+                    store.delete_key(key)
+                else:
+                    self._late.append(key)
+        return out
+
+    def telemetry(self, ranks: list[int]) -> dict[int, dict]:
+        """The latest snapshot each rank's telemetry thread put in the store."""
+        store = self._keys
+        if store is None:
+            return {}
+        out = {}
+        try:
+            for r in ranks:
+                key = rank_services.telemetry_key(r)
+                if store.check([key]):  # get would wait for a rank that has not reported yet
+                    out[r] = rank_services.parse_telemetry(store.get(key))
+        except Exception:  # the store is closing with the session: show what we have
+            pass
+        return out

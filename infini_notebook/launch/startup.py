@@ -1,0 +1,175 @@
+"""Bringing the ranks up on their engines: each rank's bootstrap config, the bootstrap itself
+(its progress, and the first rank that failed with what it printed), the table of ranks it
+yields, and the session folders ssh engines leave on their hosts. Functions over the owners
+(plan, Engines, Rendezvous, SessionFolder); the Session records the table in its RankBook."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import psutil
+
+from ..core.errors import DistCellError
+from ..core.layout import ParallelLayout
+from ..core.output import error_report, one_line, remote_traceback
+from ..core.plan import LOOPBACK, SessionPlan
+from ..core.state import Progress, RankState
+from ..engine import bootstrap
+from . import launchers
+from .engine_sets import Engines
+from .folder import SessionFolder
+from .rendezvous import Rendezvous
+from .watchdog import FOLDER_PREFIX
+
+log = logging.getLogger("infini_notebook")
+
+
+def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, rank: int) -> dict:
+    kernel = psutil.Process()
+    world = plan.world_size
+    group_rank, local_rank, local_world = plan.placement.rank_places(world)[rank]
+    return {
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world,
+        "local_world_size": local_world,
+        "group_rank": group_rank,
+        "watch": "store" if plan.placement.multi_host else "pid",
+        "loopback_only": plan.bind_address in LOOPBACK,
+        "backend": plan.backend,
+        "timeout": plan.timeout,
+        "cuda": plan.cuda_devices(rank),
+        "threads": plan.threads_per_rank,
+        **rdzv.engine_fields(),
+        "layout": plan.layout,
+        "kernel_pid": kernel.pid,
+        "kernel_start": kernel.create_time(),
+        "stack_file": folder.stack_file(rank, plan.placement.multi_host),
+        "workdir": folder.path,
+        # ssh engines write their output there until stop: see remote_folder_removers
+        "remove_copy": plan.placement.launcher in ("mpi", "slurm"),
+    }
+
+
+def bootstrap_ranks(
+    plan: SessionPlan,
+    engines: Engines,
+    rdzv: Rendezvous,
+    folder: SessionFolder,
+    progress: Progress | None = None,
+) -> list[RankState]:
+    """Every rank set up on its engine (process groups, namespace); the table of ranks."""
+    configs = {r: engine_config(plan, rdzv, folder, r) for r in range(plan.world_size)}
+    with engines.client.lock:
+        pending = {r: engines.view(r).apply_async(bootstrap.bootstrap, configs[r]) for r in configs}
+    failed = wait_for_bootstrap(plan, pending, progress)
+    if failed is not None:  # the others wait for it until the timeout: the caller stops them
+        raise bootstrap_error(plan, engines, failed, pending[failed])
+    infos = engines.client.gather(pending, what="start", timeout=plan.timeout + 60)
+    return rank_table(plan, engines, infos)
+
+
+def wait_for_bootstrap(plan: SessionPlan, pending: dict, progress: Progress | None) -> int | None:
+    """Wait until every rank is set up; the first rank that failed, if one did."""
+    deadline = time.monotonic() + plan.timeout + 60
+    while (done := sum(ar.ready() for ar in pending.values())) < len(pending):
+        if progress:
+            progress(done, len(pending), "ranks initialised")
+        failed = [r for r, ar in pending.items() if ar.ready() and not ar.successful()]
+        if failed:
+            return failed[0]
+        if time.monotonic() > deadline:
+            break  # the gather names the ranks that never answered
+        time.sleep(0.05)
+    if progress:
+        progress(done, len(pending), "ranks initialised")
+    return next((r for r, ar in pending.items() if not ar.successful()), None)
+
+
+def bootstrap_error(
+    plan: SessionPlan, engines: Engines, rank: int, ar, lines: int = 20
+) -> DistCellError:
+    """A rank failed to set up: its error, with the end of what it printed before."""
+    try:
+        ar.get(timeout=0)
+        error: BaseException = RuntimeError("failed")
+    except Exception as e:
+        error = e
+    ar.wait_for_output(timeout=0.5)  # output trails the reply a little
+    md = ar.metadata[0] if isinstance(ar.metadata, list) else ar.metadata
+    printed = "".join((md.get("stdout") or "", md.get("stderr") or ""))
+    tail = "".join(printed.splitlines(True)[-lines:])
+    report = error_report({rank: f"{tail}{remote_traceback(error)}"})
+    engines.client.forget(ar.msg_ids)
+    return DistCellError(
+        f"Starting {plan.world_size} ranks failed on rank {rank}: {one_line(error)}. "
+        f"The other ranks were stopped. {launchers.start_advice(plan)}",
+        report,
+        [rank],
+    )
+
+
+def host_name(plan: SessionPlan, rank: int, reported: str) -> str:
+    """The host as the user named it in --hosts (two hosts may share a hostname)."""
+    place = plan.placement
+    if not place.multi_host or place.launcher == "slurm":  # Slurm picks the nodes
+        return reported
+    return place.hosts[place.rank_places(plan.world_size)[rank][0]][0]
+
+
+def rank_table(plan: SessionPlan, engines: Engines, infos: dict[int, dict]) -> list[RankState]:
+    """What each rank reported at bootstrap, as RankState rows; its process adopted when it
+    is ours here (a remote pid means nothing on this host)."""
+    layout = ParallelLayout(**plan.layout)
+    rows = []
+    for r in range(plan.world_size):
+        info = infos[r]
+        engines.adopt(r, info["pid"])
+        rows.append(
+            RankState(
+                rank=r,
+                pid=info["pid"],
+                host=host_name(plan, r, info["host"]),
+                device=info["device"],
+                device_name=info["device_name"],
+                memory_used=info["memory_used"],
+                state="idle",
+                coords=layout.coords(r),
+            )
+        )
+    return rows
+
+
+def remote_folder_removers(engines: Engines) -> list:
+    """The ssh connections (one per host) of ssh engines, to remove the session's folder
+    that ipyparallel made on their hosts (profile, connection file, output), once it has
+    fetched their output at stop. Taken before the engines stop: their launchers go."""
+    senders = {}
+    cluster = engines.client.cluster
+    for engine_set in (cluster.engines if cluster else {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if hasattr(launcher, "ssh_sender") and hasattr(launcher, "location"):
+                senders.setdefault(launcher.location, launcher)
+    return list(senders.values())
+
+
+def remove_remote_folders(folder: SessionFolder, launchers: list, timeout: float = 10) -> None:
+    """Remove the session's folder on each ssh host (see remote_folder_removers); only a
+    folder named as the session's, and not waiting more than ``timeout`` for a host."""
+    if not launchers or not os.path.basename(folder.path).startswith(FOLDER_PREFIX):
+        return
+
+    def remove(launcher) -> None:
+        try:
+            launcher.ssh_sender.cmd_rmdir(os.path.dirname(launcher.remote_profile_dir))
+        except Exception as e:
+            log.info("removing the session folder on %s: %s", launcher.location, e)
+
+    threads = [threading.Thread(target=remove, args=(x,), daemon=True) for x in launchers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)

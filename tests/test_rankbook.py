@@ -1,0 +1,77 @@
+"""The RankBook: what the kernel knows of each rank between calls, written only through its
+methods (pure: no processes)."""
+
+from __future__ import annotations
+
+import time
+
+from infini_notebook.core.rankbook import RankBook
+from infini_notebook.core.state import RankState
+
+
+def book_of(n: int) -> RankBook:
+    book = RankBook()
+    book.record(
+        [
+            RankState(rank=r, pid=100 + r, host="h", device="cpu", device_name="cpu", state="idle")
+            for r in range(n)
+        ]
+    )
+    return book
+
+
+def states(rows) -> list[str]:
+    return [rs.state for rs in rows]
+
+
+def snapshot(book: RankBook, alive=lambda r: True, stuck=frozenset(), running=True, **kw):
+    return book.snapshot(running, alive, set(stuck), kw.get("telemetry", {}), lambda r: -9)
+
+
+def test_busy_ranks_show_busy_and_idle_time_counts_from_the_last_busy_moment():
+    book = book_of(3)
+    book.set_busy([0, 2], True)
+    assert book.busy() == {0, 2} and book.idle_for() == 0.0
+    assert states(snapshot(book)) == ["busy", "idle", "busy"]
+    book.set_busy([0, 2], False)
+    time.sleep(0.05)
+    assert 0.04 < book.idle_for() < 5
+
+
+def test_a_failed_rank_shows_error_until_a_cell_works_on_it():
+    book = book_of(2)
+    book.cell_ended([0, 1], failed=[1])
+    assert states(snapshot(book)) == ["idle", "error"]
+    book.cell_ended([0], failed=())  # a cell on rank 0 only: rank 1 keeps its error
+    assert states(snapshot(book)) == ["idle", "error"]
+    book.cell_ended([0, 1], failed=())
+    assert states(snapshot(book)) == ["idle", "idle"]
+
+
+def test_stuck_ranks_add_up_and_go_once_their_engine_is_free():
+    book = book_of(4)
+    book.add_stuck([1])
+    book.add_stuck([3])  # a second interrupt adds to the first, never replaces it
+    assert book.stuck() == {1, 3}
+    assert book.stuck(running=lambda: [3]) == {3}  # rank 1's queue drained
+    assert book.stuck(running=lambda: 1 / 0) == {3}  # asking failed: keep what we know
+    book.restarted(hard=False)
+    assert book.stuck() == {3}  # new groups do not free a rank stuck in native code
+    book.restarted(hard=True)
+    assert book.stuck() == set()
+
+
+def test_states_in_order_of_precedence_and_exit_code_once():
+    book = book_of(5)
+    book.set_busy([1, 2], True)
+    book.cell_ended([3], failed=[3])
+    rows = snapshot(book, alive=lambda r: r != 0, stuck={2})
+    assert states(rows) == ["dead", "busy", "stuck", "error", "idle"]
+    assert rows[0].exit_code == -9
+    assert states(snapshot(book, running=False)) == ["stopped"] * 5
+
+
+def test_telemetry_lands_on_the_rows():
+    book = book_of(2)
+    rows = snapshot(book, telemetry={1: {"rss": 123}})
+    assert getattr(rows[1], "rss") == 123
