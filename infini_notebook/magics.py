@@ -75,9 +75,11 @@ class DistMagics(Magics):
         options.ssh_args = _unquote(options.ssh_args)
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
+        gpus = [rs.gpu for rs in session.ranks if rs.gpu is not None]
+        on = f"; GPUs {','.join(gpus)}" if gpus else ""
         print(
-            f"{session.world_size} ranks ready ({session.plan.backend}; {session.engines.how}). "
-            "Use %%dist to run code."
+            f"{session.world_size} ranks ready ({session.plan.backend}{on}; "
+            f"{session.engines.how}). Use %%dist to run code."
         )
 
     @magic_arguments()

@@ -77,6 +77,24 @@ def test_one_gpu_rank_is_pinned_to_cuda_local_rank(kernel):
     run_torchrun_style(kernel, 1)
 
 
+def test_gpus_by_id_pin_the_rank_to_that_gpu_and_say_which(kernel):
+    """``--gpus K,`` is GPU K (of the kernel's visible ones), where ``--gpus K`` is K GPUs:
+    the last visible GPU, so that on a 2+ GPU machine it is not the one a count would pick."""
+    last = N_GPUS - 1
+    started = text_of(kernel.run(f"%dist_start --gpus {last}, --timeout 60", timeout=300))
+    try:
+        assert f"GPUs {last};" in started, started
+        out = text_of(kernel.run(TORCHRUN_STYLE, timeout=120), "stdout")
+        status = text_of(kernel.run("%dist_status"))
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
+    (f,) = facts_of(out).values()
+    assert f["device"] == "cuda:0" and f["count"] == 1
+    want = str(torch.cuda.get_device_properties(last).uuid)
+    assert f["uuid"] == want  # the very GPU asked for, seen as cuda:0 by the rank
+    assert f"(GPU {last})" in status
+
+
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs")
 def test_two_gpu_ranks_reduce_across_distinct_gpus(kernel):
     facts = run_torchrun_style(kernel, 2)

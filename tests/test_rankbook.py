@@ -74,4 +74,4 @@ def test_states_in_order_of_precedence_and_exit_code_once():
 def test_telemetry_lands_on_the_rows():
     book = book_of(2)
     rows = snapshot(book, telemetry={1: {"rss": 123}})
-    assert getattr(rows[1], "rss") == 123
+    assert rows[1].rss == 123

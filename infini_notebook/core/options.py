@@ -14,12 +14,22 @@ def _opt(default=None, help: str = "", **argparse):
     return field(default=default, metadata={"help": help, **argparse})
 
 
+def count_or_ids(text: str) -> int | str:
+    """``--gpus``: a count stays an int, as before; anything else (ids like ``4,5,6,7`` or
+    ``2-5``) stays text, for ``plan.make_plan`` to check against the visible GPUs."""
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
 @dataclass
 class StartOptions:
-    gpus: int | None = _opt(
-        type=int,
-        help="one rank per GPU (nccl); as under torchrun each sees its node's GPUs and "
-        "is pinned to cuda:LOCAL_RANK",
+    gpus: int | str | None = _opt(
+        type=count_or_ids,
+        help="one rank per GPU (nccl): a count N (the first N visible), or GPU ids by "
+        "CUDA_VISIBLE_DEVICES position, like 4,5,6,7 or 2-5 (3, for one); as under torchrun "
+        "each rank sees its node's GPUs and is pinned to cuda:LOCAL_RANK",
     )
     nprocs: int | None = _opt(type=int, help="number of CPU ranks (gloo)")
     backend: str = _opt("auto", help="auto (default), nccl or gloo")

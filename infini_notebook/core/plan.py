@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
+from .devices import choose_devices, remote_gpu_count, visible_entry
 from .errors import DistUsageError
 from .options import StartOptions
 
@@ -120,6 +121,15 @@ class SessionPlan:
         on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
         return ",".join(gpu for _, gpu in on_node), local_rank
 
+    def physical_gpu(self, rank: int) -> str | None:
+        """``rank``'s GPU as the kernel's CUDA_VISIBLE_DEVICES names it (an id, or a UUID
+        where that lists UUIDs). None on CPU, and for ranks whose host or scheduler picks
+        their GPU: such a rank knows it (``devices.visible_entry``), the kernel does not."""
+        cuda = self.cuda_devices(rank)
+        if cuda is None or cuda[0] is None:
+            return None
+        return visible_entry(*cuda)
+
 
 def launcher_device(visible: str | None, local_rank: int, local_world: int) -> int:
     """The device index of a rank whose host or scheduler chose its GPUs, from the
@@ -200,8 +210,6 @@ def template_off(o: StartOptions, plan: SessionPlan, platform: str | None = None
     """Why this plan's engines cannot be forked from a warm template, "" when they can:
     only the local launcher starts engines on this host, and only Linux forks a process
     that has imported torch safely (macOS's system libraries are not fork-safe)."""
-    import sys
-
     if o.no_template:
         return "--no-template"
     if plan.placement.launcher != "local":
@@ -263,13 +271,9 @@ def _make_plan(
         )
     if o.launcher != "local" or o.hosts:
         return _remote_plan(o, cpu_count)
-    gpus, nprocs, backend, bind_address = o.gpus, o.nprocs, o.backend, o.bind_address
-    visible = list(visible_gpus or [])
-    if gpus is not None and nprocs is not None:
-        raise DistUsageError(
-            "Give --gpus N (one rank per GPU) or --nprocs N (CPU ranks), not both."
-        )
-    on_gpu, world = _choose_devices(gpus, nprocs, backend, visible)
+    backend, bind_address = o.backend, o.bind_address
+    gpus, world = choose_devices(o.gpus, o.nprocs, backend, list(visible_gpus or []))
+    on_gpu = bool(gpus)
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
     if backend == "nccl" and not on_gpu:
@@ -283,7 +287,7 @@ def _make_plan(
     return SessionPlan(
         world_size=world,
         backend=backend,
-        gpus=tuple(visible[:world]) if on_gpu else (),
+        gpus=gpus,
         timeout=float(o.timeout),
         init_method=method,
         layout=layout_dict,
@@ -325,10 +329,11 @@ def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
     import shlex
 
     launcher, hosts, nnodes, gpus_per_node = o.launcher, o.hosts, o.nnodes, o.gpus_per_node
-    nprocs, gpus, backend, bind_address = o.nprocs, o.gpus, o.backend, o.bind_address
+    nprocs, backend, bind_address = o.nprocs, o.backend, o.bind_address
     host_list = parse_hosts(hosts) if hosts else ()
     if launcher == "local":
         raise DistUsageError("--hosts needs --launcher ssh, mpi or slurm.")
+    gpus = remote_gpu_count(o.gpus, launcher)
     if launcher == "ssh" and not host_list:
         raise DistUsageError("--launcher ssh needs --hosts, like --hosts node1:8,node2:8.")
     if launcher == "slurm":
@@ -379,42 +384,6 @@ def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
         threads_per_rank=max(1, cores // per_host),
         bind_address=bind_address,
         placement=placement,
-    )
-
-
-def _choose_devices(
-    gpus: int | None, nprocs: int | None, backend: str, visible: list[str]
-) -> tuple[bool, int]:
-    if gpus is not None:
-        if gpus <= 0:
-            raise DistUsageError(f"--gpus must be at least 1, got {gpus}.")
-        if not visible:
-            raise DistUsageError(
-                f"--gpus {gpus} asks for GPUs but CUDA sees none here. "
-                f"Use --nprocs {max(gpus, 1)} for CPU ranks on gloo."
-            )
-        if gpus <= 0:
-            raise DistUsageError(f"--gpus must be at least 1, got {gpus}.")
-        if gpus > len(visible):
-            raise DistUsageError(
-                f"--gpus {gpus} asks for more GPUs than the {len(visible)} visible "
-                f"({visible}). Use --gpus {len(visible)} or fewer."
-            )
-        return True, gpus
-    if nprocs is not None:
-        if nprocs <= 0:
-            raise DistUsageError(f"--nprocs must be at least 1, got {nprocs}.")
-        if backend == "nccl":
-            raise DistUsageError(
-                "--nprocs starts CPU ranks, which nccl cannot serve. Use --gpus N for nccl, "
-                "or drop --backend to get gloo."
-            )
-        return False, nprocs
-    if visible and backend != "gloo":
-        return True, len(visible)
-    raise DistUsageError(
-        "No GPU is visible, so %dist_start cannot pick a size by itself. "
-        "Use --nprocs N for N CPU ranks on gloo, e.g. %dist_start --nprocs 4."
     )
 
 

@@ -138,6 +138,7 @@ def rank_table(plan: SessionPlan, engines: Engines, infos: dict[int, dict]) -> l
                 memory_used=info["memory_used"],
                 state="idle",
                 coords=layout.coords(r),
+                gpu=plan.physical_gpu(r),
             )
         )
     return rows

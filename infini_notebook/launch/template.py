@@ -17,6 +17,7 @@ socket in the session folder and answers one JSON line per request:
 
 Forking is safe only from a process with one thread and no CUDA context: the template checks
 both before every fork and refuses otherwise (the kernel then starts engines as usual).
+A request it cannot read gets ``{"error": ...}`` too, and the template goes on serving.
 The session ends it by pid at stop, the watchdog if the kernel dies.
 """
 
@@ -32,6 +33,12 @@ import sys
 from functools import partial
 
 READY = "template ready"  # printed once the imports are done and the socket listens
+# What each request must carry; checked before anything is forked.
+FIELDS = {
+    "fork": ("argv", "env", "cwd", "output"),
+    "nanny": ("kwargs", "fifo", "env"),
+    "wait": ("pid",),
+}
 
 
 def fork_refusal() -> str | None:
@@ -43,7 +50,55 @@ def fork_refusal() -> str | None:
 
     if torch.cuda.is_initialized():
         return "the template has initialised CUDA (a forked child cannot use it)"
+    return driver_refusal(open_files())
+
+
+# cuInit opens the UVM device and keeps it open for the life of the process. Everything that
+# initialises the CUDA driver goes through cuInit: torch's CUDA init, torch.cuda.is_available()
+# (cudaGetDeviceCount, which also marks torch's forks bad without torch.cuda.is_initialized()
+# saying so: poison_fork in THCPModule_getDeviceCount_wrap, torch/csrc/cuda/Module.cpp), CuPy,
+# Numba, JAX. A child forked after it fails at its first CUDA call ("Cannot re-initialize CUDA
+# in forked subprocess"). NVML opens only /dev/nvidiactl and /dev/nvidiaN (nvidia-smi works
+# without the nvidia-uvm module; CUDA does not), and torch.cuda.device_count() uses NVML because
+# it leaves forks usable; libcuda.so merely loaded (in /proc/self/maps) is harmless too. So the
+# UVM file is the sign: refusing on the others would give up warm starts wherever the template
+# counted its GPUs. (WSL's driver uses /dev/dxg instead: there only torch's own check applies.)
+CUDA_DRIVER_FILE = "/dev/nvidia-uvm"
+
+
+def driver_refusal(open_paths: list[str]) -> str | None:
+    """Why the CUDA driver state forbids forking, None when it does not; ``open_paths``: what
+    the process's file descriptors point to (see ``open_files``)."""
+    if any(path.startswith(CUDA_DRIVER_FILE) for path in open_paths):
+        return (
+            "the template has initialised the CUDA driver (it holds /dev/nvidia-uvm open: "
+            "something it imported ran cuInit), so a forked rank could not use CUDA"
+        )
     return None
+
+
+def open_files(fd_dir: str = "/proc/self/fd") -> list[str]:
+    """What each open file descriptor of this process points to (paths, ``socket:[N]``)."""
+    targets = []
+    for fd in os.listdir(fd_dir) if os.path.isdir(fd_dir) else []:
+        try:
+            targets.append(os.readlink(os.path.join(fd_dir, fd)))
+        except OSError:  # closed since (listdir's own descriptor)
+            pass
+    return targets
+
+
+def parse_request(line: bytes) -> dict:
+    """A request line as a dict with what its op needs; ValueError says what is wrong."""
+    req = json.loads(line)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+        raise ValueError('not a JSON object with an "op"')
+    missing = [name for name in FIELDS.get(req["op"], ()) if name not in req]
+    if missing:
+        raise ValueError(f"{req['op']!r} needs {', '.join(missing)}")
+    if "pid" in req and (not isinstance(req["pid"], int) or isinstance(req["pid"], bool)):
+        raise ValueError(f"pid {req['pid']!r} is not a number")
+    return req
 
 
 class Template:
@@ -61,24 +116,44 @@ class Template:
 
     def serve(self) -> None:
         while True:
-            for key, _ in self.selector.select(timeout=0.05):
-                if key.fileobj is self.listener:
-                    conn, _ = self.listener.accept()
-                    self.selector.register(conn, selectors.EVENT_READ)
-                    self.buffers[conn] = b""
-                else:
-                    self.read(key.fileobj)
+            self.poll(0.05)
             self.reap()
 
+    def poll(self, timeout: float) -> None:
+        """New connections and requests, for up to ``timeout`` seconds."""
+        for key, _ in self.selector.select(timeout=timeout):
+            if key.fileobj is self.listener:
+                conn, _ = self.listener.accept()
+                self.selector.register(conn, selectors.EVENT_READ)
+                self.buffers[conn] = b""
+            else:
+                self.read(key.fileobj)
+
     def read(self, conn: socket.socket) -> None:
-        data = conn.recv(1 << 16)
+        try:
+            data = conn.recv(1 << 16)
+        except OSError:  # the asker reset the connection
+            data = b""
         if not data:
             self.drop(conn)
             return
         self.buffers[conn] += data
         while b"\n" in self.buffers.get(conn, b""):
             line, self.buffers[conn] = self.buffers[conn].split(b"\n", 1)
-            self.handle(conn, json.loads(line))
+            self.answer(conn, line)
+
+    def answer(self, conn: socket.socket, line: bytes) -> None:
+        """One request. Whatever goes wrong is the asker's error reply: the other engines
+        of the session, and its spares, still need this template."""
+        try:
+            req = parse_request(line)
+        except ValueError as e:
+            send(conn, {"error": f"the template could not read a request ({e})"})
+            return
+        try:
+            self.handle(conn, req)
+        except Exception as e:  # os.fork() out of memory or processes, say
+            send(conn, {"error": f"the template failed at {req['op']!r}: {e}"})
 
     def handle(self, conn: socket.socket, req: dict) -> None:
         op = req.get("op")
@@ -93,7 +168,7 @@ class Template:
             # (torch's library finalizers: ~25 ms of CPU per nanny at each stop or restart).
             reply = {"error": refusal} if refusal else {"pid": self.fork(child, op == "fork")}
         elif op == "wait":
-            pid = int(req["pid"])
+            pid = req["pid"]
             if pid not in self.exits:
                 self.waiters.setdefault(pid, []).append(conn)
                 return

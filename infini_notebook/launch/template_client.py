@@ -51,6 +51,10 @@ def request(socket_path: str, req: dict, timeout: float | None = 30.0) -> dict:
             reply = read_line(conn)
     except OSError as e:
         raise TemplateUnavailable(f"the template did not answer ({e})") from None
+    except ValueError as e:  # not JSON: whatever it is, the engine starts the usual way
+        raise TemplateUnavailable(f"the template answered garbage ({e})") from None
+    if not isinstance(reply, dict):
+        raise TemplateUnavailable(f"the template answered {reply!r}")
     if "error" in reply:
         raise TemplateUnavailable(reply["error"])
     return reply

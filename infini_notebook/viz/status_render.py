@@ -29,7 +29,8 @@ def device_label(rs: RankState) -> str:
     """``cpu`` or ``cuda:0 NVIDIA H100``."""
     if not str(rs.device).startswith("cuda"):
         return str(rs.device)
-    return f"{rs.device} {rs.device_name}"
+    physical = f" (GPU {rs.gpu})" if rs.gpu is not None else ""
+    return f"{rs.device}{physical} {rs.device_name}"
 
 
 def usage_text(rs: RankState) -> str:

@@ -1,0 +1,171 @@
+"""Which GPU each rank uses, from ``--gpus``. Pure.
+
+``--gpus N`` takes the first N GPUs the kernel sees. ``--gpus 4,5,6,7`` or ``--gpus 2-5``
+takes GPUs by id, for a shared machine. Ids count the kernel's visible GPUs as torch does:
+id k is the kernel's ``cuda:k``, the k-th entry of its CUDA_VISIBLE_DEVICES (``visible``
+below, one entry per GPU torch sees). A rank's physical GPU is the entry it is given.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .errors import DistUsageError
+from .options import count_or_ids
+
+SPEC_HELP = "a count (--gpus 4) or GPU ids (--gpus 4,5,6,7, --gpus 2-5, or --gpus 3, for one)"
+MAX_GPU_ID = 4095  # bounds a range before it is expanded; no machine has that many GPUs
+ID_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+
+GpuSpec = int | str | Sequence[int] | None  # what StartOptions.gpus may hold
+
+
+def requested_gpus(gpus: GpuSpec) -> int | tuple[int, ...] | None:
+    """``--gpus`` as a count (an int, unchecked: the plan refuses one below 1) or as ids
+    (a tuple, in the order given); None when not given."""
+    if gpus is None or isinstance(gpus, int):
+        return gpus
+    if isinstance(gpus, str):
+        value = count_or_ids(gpus)
+        return value if isinstance(value, int) else parse_gpu_ids(value)
+    return parse_gpu_ids(spec_text(gpus))
+
+
+def spec_text(gpus: GpuSpec) -> str:
+    """``--gpus`` as the user wrote it, for messages (a list of ids as ``4,5``)."""
+    if isinstance(gpus, (str, int)) or gpus is None:
+        return str(gpus)
+    return ",".join(str(i) for i in gpus) + ("," if len(gpus) == 1 else "")
+
+
+def gpu_count(gpus: GpuSpec) -> int | None:
+    """How many ranks ``--gpus`` asks for: the count, or one per id."""
+    wanted = requested_gpus(gpus)
+    return len(wanted) if isinstance(wanted, tuple) else wanted
+
+
+def parse_gpu_ids(spec: str) -> tuple[int, ...]:
+    """``4,5,6,7``, ``2-5`` or a mix (``0,2-3``) -> the ids, in the order given. A trailing
+    comma makes one id a list: ``--gpus 3,`` is GPU 3, where ``--gpus 3`` is three GPUs."""
+    entries = spec.replace(" ", "").split(",")
+    if len(entries) > 1 and entries[-1] == "":
+        entries.pop()
+    ids = [i for entry in entries for i in _id_range(spec, entry)]
+    twice = [i for n, i in enumerate(ids) if i in ids[:n]]
+    if twice:
+        raise DistUsageError(
+            f"--gpus {spec} lists GPU {twice[0]} twice: list each GPU once (one rank per GPU)."
+        )
+    return tuple(ids)
+
+
+def _id_range(spec: str, entry: str) -> list[int]:
+    match = ID_RANGE.fullmatch(entry)
+    if not match:
+        raise DistUsageError(f"Bad --gpus {spec!r}: give {SPEC_HELP}.")
+    first, last = int(match[1]), int(match[2] or match[1])
+    if last < first:
+        raise DistUsageError(f"--gpus {spec}: write the range low to high, like {last}-{first}.")
+    if last > MAX_GPU_ID:
+        raise DistUsageError(f"--gpus {spec}: there is no GPU {last}; ids count from 0.")
+    return list(range(first, last + 1))
+
+
+def choose_devices(
+    gpus: GpuSpec, nprocs: int | None, backend: str, visible: list[str]
+) -> tuple[tuple[str, ...], int]:
+    """(the CUDA_VISIBLE_DEVICES entry of each rank's GPU, empty for CPU ranks; the number
+    of ranks), from ``--gpus``/``--nprocs`` and what the kernel sees."""
+    wanted = requested_gpus(gpus)
+    if isinstance(wanted, tuple):
+        return _by_id(spec_text(gpus), wanted, nprocs, visible), len(wanted)
+    if wanted is not None and nprocs is not None:
+        raise DistUsageError(
+            "Give --gpus N (one rank per GPU) or --nprocs N (CPU ranks), not both."
+        )
+    if wanted is not None:
+        return _by_count(wanted, visible), wanted
+    if nprocs is not None:
+        if nprocs <= 0:
+            raise DistUsageError(f"--nprocs must be at least 1, got {nprocs}.")
+        if backend == "nccl":
+            raise DistUsageError(
+                "--nprocs starts CPU ranks, which nccl cannot serve. Use --gpus N for nccl, "
+                "or drop --backend to get gloo."
+            )
+        return (), nprocs
+    if visible and backend != "gloo":
+        return tuple(visible), len(visible)
+    raise DistUsageError(
+        "No GPU is visible, so %dist_start cannot pick a size by itself. "
+        "Use --nprocs N for N CPU ranks on gloo, e.g. %dist_start --nprocs 4."
+    )
+
+
+def _by_count(gpus: int, visible: list[str]) -> tuple[str, ...]:
+    if gpus <= 0:
+        raise DistUsageError(
+            f"--gpus must be at least 1, got {gpus}. To pick GPUs by id, list them: "
+            "--gpus 0, (one GPU) or --gpus 0,1."
+        )
+    if not visible:
+        raise DistUsageError(
+            f"--gpus {gpus} asks for GPUs but CUDA sees none here. "
+            f"Use --nprocs {gpus} for CPU ranks on gloo."
+        )
+    if gpus > len(visible):
+        raise DistUsageError(
+            f"--gpus {gpus} asks for more GPUs than the {len(visible)} visible "
+            f"({visible}). Use --gpus {len(visible)} or fewer."
+        )
+    return tuple(visible[:gpus])
+
+
+def _by_id(spec: str, ids: tuple[int, ...], nprocs: int | None, visible: list[str]) -> tuple:
+    if nprocs is not None:
+        raise DistUsageError(
+            f"--gpus {spec} starts one rank on each listed GPU ({len(ids)} ranks): drop --nprocs."
+        )
+    if not visible:
+        raise DistUsageError(
+            f"--gpus {spec} asks for GPUs by id but CUDA sees none here. "
+            f"Use --nprocs {len(ids)} for CPU ranks on gloo."
+        )
+    missing = [i for i in ids if i >= len(visible)]
+    if missing:
+        raise DistUsageError(
+            f"--gpus {spec}: there is no GPU {missing[0]}. This kernel sees {len(visible)} GPUs "
+            f"({','.join(visible)} in CUDA_VISIBLE_DEVICES terms), ids 0-{len(visible) - 1} as "
+            "torch counts them: pick ids from those."
+        )
+    return tuple(visible[i] for i in ids)
+
+
+def remote_gpu_count(gpus: GpuSpec, launcher: str) -> int | None:
+    """``--gpus`` for ranks that ssh, mpiexec or Slurm start: a count. Ids are refused,
+    since those ranks use the GPUs their host or scheduler gives them (launcher_device)."""
+    wanted = requested_gpus(gpus)
+    if not isinstance(wanted, tuple):
+        return wanted
+    spec, n = spec_text(gpus), len(wanted)
+    if launcher == "slurm":
+        fix = f"Slurm picks each node's GPUs: give --gpus-per-node {n}."
+    else:
+        ids = ",".join(map(str, wanted))
+        fix = (
+            f"Give {n} slots per host (--hosts HOST:{n},...) and pick the GPUs with "
+            f"--env CUDA_VISIBLE_DEVICES={ids} (each host's own ids)."
+        )
+    raise DistUsageError(
+        f"--gpus {spec} picks GPUs of this machine by id, but --launcher {launcher} ranks "
+        f"use the GPUs their host gives them. {fix}"
+    )
+
+
+def visible_entry(visible: str | None, index: int) -> str:
+    """The physical GPU of ``cuda:index`` for a process whose CUDA_VISIBLE_DEVICES is
+    ``visible``: its entry there (an id or a GPU UUID), or the index itself when nothing
+    narrows the GPUs. What a rank whose host chose its GPUs reports."""
+    entries = [x.strip() for x in (visible or "").split(",") if x.strip()]
+    return entries[index] if entries else str(index)
