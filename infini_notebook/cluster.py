@@ -38,6 +38,7 @@ log = logging.getLogger("infini_notebook")
 
 
 _current: Session | None = None
+STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing a cell
 
 
 def current() -> Session | None:
@@ -218,7 +219,7 @@ class Session:
             raise DistUsageError(
                 f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
             )
-        stuck = supervision.stuck_ranks(self)
+        stuck = supervision.stuck_ranks(self, settle=STUCK_SETTLE_S)
         if stuck:
             raise DistUsageError(
                 f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "

@@ -113,6 +113,76 @@ def test_pipeline_recv_from_a_failed_stage_is_released(tp_kernel):
     assert_next_cell_works(tp_kernel)
 
 
+# ----- waits the cell's frames do not show (issue 30: the Flight Recorder, device work) ------
+# On gloo, an async_op collective stands in for NCCL's: the call returns at once, and the
+# rank waits later (work.wait(), as NCCL's in a sync) or not at all before its code ends
+# (as a GPU still running a collective after the Python code left the cell).
+
+
+def test_a_wait_in_work_wait_is_seen_by_the_flight_recorder_and_released(tp_kernel):
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nimport time\nwork = dist.all_reduce(torch.ones(1), async_op=True) if rank else 0\n"
+        "if rank == 0:\n    time.sleep(1)\n    raise RuntimeError('rank 0 bails out')\n"
+        "time.sleep(0.2)  # other work first\nwork.wait()",
+    )
+    summary = error_text(cell).split("DistCellError")[-1]
+    assert took < BOUND, took  # not the 60 s timeout
+    assert "ranks 1-3 were waiting for rank 0 in all_reduce #" in summary, summary
+    assert "released" in summary
+    assert_next_cell_works(tp_kernel)
+
+
+def test_a_collective_that_outlives_the_code_keeps_the_rank_in_its_cell(tp_kernel):
+    """The cell's code ends with the collective still pending: the rank is in its cell
+    (busy, waiting) until the collective ends, and released (it raises) if it cannot."""
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nimport time\nif rank == 0:\n    time.sleep(1)\n    raise RuntimeError('bails')\n"
+        "work = dist.all_reduce(torch.ones(1), async_op=True)",
+    )
+    summary = error_text(cell).split("DistCellError")[-1]
+    assert took < BOUND, took
+    assert "ranks 1-3 were waiting for rank 0 in all_reduce" in summary, summary
+    assert "finished" not in summary  # they did not count as done with work pending
+    errors = text_of(tp_kernel.run("print(sorted(dist_session.last.errors.items()))"))
+    assert errors.count("RankReleased: this rank's wait was released") == 3, errors
+    assert_next_cell_works(tp_kernel)
+
+
+def test_a_rank_is_busy_while_its_collective_runs_after_its_code(tp_kernel):
+    tp_kernel.run(
+        "%%dist --background\nimport time\nif rank == 0:\n    time.sleep(3)\n"
+        "work = dist.all_reduce(torch.ones(1), async_op=True)"
+    )
+    time.sleep(1.5)
+    states = text_of(tp_kernel.run("print([r.state for r in dist_session.status()])"))
+    tp_kernel.run("dist_session.background.join(30)")
+    assert states.strip() == str(["busy"] * 4), states
+    took = text_of(
+        tp_kernel.run("print(dist_session.last.elapsed > 2.5, dist_session.last.errors)")
+    )
+    assert took.split() == ["True", "{}"], took  # the cell's time includes the wait
+    assert_next_cell_works(tp_kernel)
+
+
+def test_the_first_failure_is_the_cause_whatever_its_words(tp_kernel):
+    """A root cause whose own message says 'connection reset by peer' (a data loader's) is
+    still the root cause: it failed first."""
+    cell, took = run_timed(
+        tp_kernel,
+        "%%dist\nimport time\nif rank == 0:\n    time.sleep(1)\n"
+        "    raise ConnectionResetError('[Errno 104] Connection reset by peer (loader)')\n"
+        "dist.all_reduce(torch.ones(1))",
+    )
+    summary = error_text(cell).split("DistCellError")[-1]
+    assert took < BOUND, took
+    assert summary.lstrip(": \x1b[0m").startswith("rank 0: ConnectionResetError"), summary
+    assert "ranks 1-3 were waiting for rank 0 in all_reduce" in summary and "released" in summary
+    assert_next_cell_works(tp_kernel)
+
+
+# Last: it leaves rank 3 dead.
 def test_a_rank_that_dies_releases_its_waiting_peers(tp_kernel):
     cell, took = run_timed(
         tp_kernel,

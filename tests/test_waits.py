@@ -105,3 +105,22 @@ def test_a_rank_told_to_close_links_shuts_down_those_and_no_others():
         rank_services._attempt.clear()
         for sock in (server, *pairs[0], *pairs[1]):
             sock.close()
+
+
+# ----- questions answered late, ranks given up (issue 30, items 5 and 7) ----------------------
+def test_an_abort_or_close_meant_for_earlier_groups_is_answered_stale():
+    from infini_notebook.engine import rank_services
+
+    rank_services.follow_attempt(2)  # the groups were rebuilt twice since
+    assert rank_services.answer("abort 1", scratch=None) == "stale"
+    assert rank_services.answer("close 1 []", scratch=None) == "stale"
+
+
+def test_a_released_rank_out_of_its_wait_is_not_given_up_until_much_later():
+    from infini_notebook.kernel.wait_watch import RELEASE_GIVE_UP_S, WaitWatch
+
+    watch = WaitWatch(s=None, cell=None)
+    # rank 1 still waits, rank 2 left its wait (its traceback being formatted), rank 3 silent
+    watch.found = {1: {"op": "all_reduce"}, 2: None}
+    assert watch._stuck({1, 2, 3}, since=5.0) == {1, 3}
+    assert watch._stuck({1, 2, 3}, since=RELEASE_GIVE_UP_S + 1) == {1, 2, 3}

@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import output_streams, rank_services, shm_transport, tuning, wait_probe
+from . import cell_end, output_streams, rank_services, shm_transport, tuning, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -74,6 +74,7 @@ def bootstrap(cfg: dict) -> dict:
     from IPython import get_ipython
 
     output_streams.install(get_ipython())
+    cell_end.install(get_ipython())
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -281,8 +282,11 @@ def teardown_distributed() -> bool:
     import torch.distributed as dist
 
     groups = _STATE.pop("groups", None)
-    if groups is not None and hasattr(groups, "destroy"):
-        groups.destroy()
+    try:  # groups aborted on a release (NCCL) may be gone already
+        if groups is not None and hasattr(groups, "destroy"):
+            groups.destroy()
+    except Exception:
+        pass
     if dist.is_initialized():
         dist.destroy_process_group()
     return True
@@ -298,11 +302,28 @@ def release_groups(peer_links: list[list] | None = None) -> str:
 
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         wait_probe.abort_groups()
-        _STATE.pop("groups", None)
+        destroy_aborted()
         return "aborted"
     teardown_distributed()
     closed = wait_probe.close_peer_links(peer_links)
     return f"destroyed; {closed} connections to waiting ranks closed"
+
+
+def destroy_aborted() -> None:
+    """After an abort, destroy what is left of the groups, so that their communicators and
+    buffers go now, not at the next rebuild. ``_abort_process_group()`` has already taken
+    the default group out of c10d's world (``_abort_process_group`` in
+    torch/distributed/distributed_c10d.py), so only the layout's groups remain here."""
+    import torch.distributed as dist
+
+    groups = _STATE.pop("groups", None)
+    try:
+        if groups is not None and hasattr(groups, "destroy"):
+            groups.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # already gone with the abort
+        pass
 
 
 def reinit_distributed(attempt: int, attempt_key: str) -> dict:

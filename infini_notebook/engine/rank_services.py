@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -33,8 +34,9 @@ def start(cfg: dict) -> None:
 # The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
 # Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
-# nothing), "links" (its TCP connections: JSON), "abort" (abort its NCCL communicators),
-# "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as "links" gives them).
+# nothing), "links" (its TCP connections: JSON), "abort ATTEMPT" (abort its NCCL
+# communicators), "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as
+# "links" gives them). ATTEMPT: the groups it is meant for; answered "stale" once rebuilt.
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -79,9 +81,8 @@ def answer(question: str, scratch) -> str:
         return json.dumps(wait_probe.tcp_links())
     if question.startswith("close "):
         return close_links(question)
-    if question == "abort":
-        wait_probe.abort_groups()
-        return "aborted"
+    if question.startswith("abort "):
+        return abort(question)
     return _dump_stacks(scratch)
 
 
@@ -93,17 +94,38 @@ def follow_attempt(attempt: int) -> None:
     _attempt[:] = [attempt]
 
 
+RELEASED = (
+    "this rank's wait was released and its process groups {how}: a rank it waited for left "
+    "the cell, so what the wait was to deliver never came"
+)
+
+
+def abort(question: str) -> str:
+    """Answer "abort ATTEMPT": abort this rank's NCCL communicators (only an abort ends a wait
+    in NCCL) and fail the running cell at once (see cell_end), unless the groups were
+    rebuilt since the kernel asked: a question answered late must not abort the new ones."""
+    from . import cell_end, wait_probe
+
+    if [int(question.split(" ", 1)[1])] != _attempt:
+        return "stale"
+    wait_probe.abort_groups()
+    cell_end.release(RELEASED.format(how="aborted"), interrupt=True)
+    return "aborted"
+
+
 def close_links(question: str) -> str:
     """Answer "close ATTEMPT LINKS": shut down these of this rank's connections, unless the
     groups were rebuilt since the kernel asked: a question answered late must not end the
-    new groups' connections."""
-    from . import wait_probe
+    new groups' connections. The running cell fails at its end (see cell_end)."""
+    from . import cell_end, wait_probe
 
     _, attempt, links = question.split(" ", 2)
     if [int(attempt)] != _attempt:
         return "stale"
     mine = json.loads(links)  # as seen from here; close_peer_links takes a peer's view
-    return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))
+    closed = wait_probe.close_peer_links([[r, lo] for lo, r in mine])
+    cell_end.release(RELEASED.format(how="disconnected"), interrupt=False)
+    return str(closed)
 
 
 # A rank whose stack thread cannot run (native code holds the GIL: a CUDA copy waiting on a
@@ -254,27 +276,55 @@ def session_store(cfg: dict, timeout: timedelta):
     return dist.PrefixStore(session_root(cfg["token"]), store)
 
 
-def watch_store(host: str, port: int) -> None:
-    """Exit when the kernel's TCPStore stops answering (three misses in a row)."""
+STORE_LOST_AFTER_S = 60.0  # a remote rank reconnects to the kernel's store this long
 
-    def watch() -> None:
+
+def watch_store(host: str, port: int, every: float = 1.0, lost_after: float = STORE_LOST_AFTER_S):
+    """Exit when the kernel's TCPStore is gone: after three missed checks, reconnect with
+    backoff, and give up (exit code 3, saying why) only after ``lost_after`` seconds
+    without it. A dropped connection (a network blip, a NAT timeout) is not the kernel
+    gone: one lost connection used to end a remote rank at once."""
+
+    def connect():
         import torch.distributed as dist
 
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+
+    def watch() -> None:
+        store = _reconnect(connect, None, lost_after)
         misses = 0
-        try:
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-        except Exception:
-            os._exit(3)
-        while misses < 3:
-            time.sleep(1.0)
+        while True:
+            time.sleep(every)
             try:
                 store.check(["infini/alive"])
                 misses = 0
             except Exception:
                 misses += 1
-        os._exit(3)
+            if misses >= 3:
+                store, misses = _reconnect(connect, store, lost_after), 0
 
     threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
+
+
+def _reconnect(connect, store, lost_after: float):
+    """A new client of the store, retried with backoff for ``lost_after`` seconds; then the
+    rank ends: its kernel is gone."""
+    deadline = time.monotonic() + lost_after
+    delay = 0.5
+    while True:
+        try:
+            return connect()
+        except Exception as e:
+            if time.monotonic() + delay > deadline:
+                print(
+                    f"infini_notebook: lost the kernel's store for {lost_after:.0f} s ({e}); "
+                    "this rank ends",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(3)
+        time.sleep(delay)
+        delay = min(2 * delay, 8.0)
 
 
 def watch_parent(kernel_pid: int, kernel_start: float) -> None:

@@ -105,20 +105,31 @@ def group_label(pg) -> str:
 
 def _pending_seq(pg) -> int | None:
     """The newest collective this rank enqueued on ``pg``, by the Flight Recorder."""
-    try:
-        import torch
+    from ..core import recorder
 
-        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
-    except Exception:  # no Flight Recorder in this build, or it is not recording
+    dump = flight_recorder_dump()
+    return recorder.newest_seq(dump, getattr(pg, "group_name", None)) if dump else None
+
+
+def flight_recorder_dump(entries: bool = True) -> dict | None:
+    """This rank's Flight Recorder, from the recorder its backend writes to; None when no
+    recorder records here. torch 2.13 keeps two: NCCL work goes to the NCCL recorder
+    (``dump_nccl_trace_json``, ProcessGroupNCCL.hpp, bound as ``_dump_nccl_trace_json`` in
+    c10d/init.cpp only where USE_C10D_NCCL is built, so never on a CPU wheel), gloo and CPU
+    work to the generic one (``dump_fr_trace_json``, FlightRecorder.hpp). Both take
+    (includeCollectives, onlyActive): only what is not completed, to keep the dump small;
+    without ``entries``, the groups' status alone."""
+    import torch
+    import torch.distributed as dist
+
+    c10d = torch._C._distributed_c10d
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend())
+    dump = getattr(c10d, "_dump_nccl_trace_json", None) if nccl else None
+    dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
+    try:
+        return json.loads(dump(entries, True)) if dump is not None else None
+    except Exception:  # not recording (no buffer size set), or a build without it
         return None
-    name = getattr(pg, "group_name", None)
-    # the newest entry: a group rebuilt by a restart may take an old group's name again
-    mine = [
-        e
-        for e in dump.get("entries", [])
-        if (e.get("process_group") or [None])[0] == name and e.get("collective_seq_id")
-    ]
-    return max(mine, key=lambda e: e.get("record_id", 0))["collective_seq_id"] if mine else None
 
 
 def tcp_links() -> list[list]:
@@ -137,32 +148,38 @@ def _host(ip: str) -> str:
 
 
 def _pending_in_flight_recorder() -> dict | None:
-    """The oldest collective the Flight Recorder holds as not completed (NCCL records
-    each work's state; gloo's entries stay 'scheduled', so this is for NCCL only)."""
+    """The oldest collective the Flight Recorder holds as pending (see core/recorder.py):
+    NCCL calls return at once and the cell then blocks in a sync (``x.item()``), and a gloo
+    cell may wait in ``work.wait()`` of an ``async_op`` collective."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
-        return None
-    try:
-        import torch
+    from ..core import recorder
 
-        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
-    except Exception:
+    if not dist.is_initialized():
         return None
-    pending = [e for e in dump.get("entries", []) if e.get("state") in ("scheduled", "started")]
-    if not pending:
-        return None
-    entry = min(pending, key=lambda e: e.get("record_id", 0))
-    name, desc = (entry.get("process_group") or ["", ""])[:2]
-    config = dump.get("pg_config", {}).get(name, {})
-    try:
-        ranks = json.loads(config.get("ranks", "[]"))
-    except ValueError:
-        ranks = []
-    label = "world" if desc == "default_pg" else desc.removeprefix("inb_") or name
-    op = str(entry.get("profiling_name", "?")).split(":")[-1]
-    return {"op": op, "group": label, "ranks": ranks, "peer": None,
-            "seq": entry.get("collective_seq_id")}  # fmt: skip
+    dump = flight_recorder_dump()
+    wait = recorder.oldest_wait(dump) if dump else None
+    if wait is not None and not wait["ranks"]:  # pg_config may not name the group's ranks
+        wait["ranks"] = _group_ranks(wait.pop("name", ""), wait["group"])
+    if wait is not None:
+        wait.pop("name", None)
+    return wait
+
+
+def _group_ranks(name: str, label: str) -> list[int]:
+    """The global ranks of the live process group named ``name`` (c10d's registry)."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    if label == "world":
+        return list(range(dist.get_world_size()))
+    for pg, pg_name in list(getattr(c10d._world, "pg_names", {}).items()):
+        if pg_name == name:
+            try:
+                return dist.get_process_group_ranks(pg)
+            except Exception:
+                return []
+    return []
 
 
 def close_peer_links(peer_links: list[list] | None) -> int:

@@ -20,6 +20,7 @@ GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left th
 HANG_AFTER_S = 2.0  # a rank in the same wait this long, nobody gone: show where ranks wait
 HANG_POLL_S = 1.0
 RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
+RELEASE_GIVE_UP_S = 30.0  # ... and one out of its wait but still in its cell, after this
 LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
 ASK_WAIT_S = 1.0  # answers come from a thread beside the cell: quick, unless the host is busy
 
@@ -39,6 +40,7 @@ class WaitWatch:
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
+        self.found: dict[int, dict | None] = {}  # the latest answers: rank -> its wait
         self.since: dict[int, tuple] = {}  # rank -> (its wait, first seen) for a hang
         self.started = time.monotonic()
         self.next_ask = self.started + HANG_POLL_S
@@ -49,7 +51,8 @@ class WaitWatch:
     def left(self, ranks, running: set[int], died: bool = False) -> None:
         """``ranks`` left the cell while ``running`` still run it. A failure is shown at
         once (the root cause, before the ranks waiting for it are released)."""
-        for r in sorted(ranks):
+        # Within one batch, errors of their own before those that say a peer went away
+        for r in sorted(ranks, key=lambda r: (not died and self._lost_peer(r), r)):
             if died:
                 self.gone[r] = "died"
                 continue
@@ -58,7 +61,7 @@ class WaitWatch:
                 self.gone[r] = "died"
                 continue
             failed = isinstance(reply, BaseException)
-            if r in self.released or (failed and peer_lost(one_line(reply))):
+            if r in self.released or (failed and self._consequence(reply)):
                 self.gone[r] = "released"  # a consequence, not a cause
                 continue
             self.gone[r] = "failed" if failed else "finished"
@@ -70,6 +73,17 @@ class WaitWatch:
             failed = any(self.gone.get(r) in ("failed", "died") for r in ranks)
             soon = time.monotonic() + (0.0 if failed else GONE_POLL_S)
             self.next_ask = min(self.next_ask, soon)
+
+    def _lost_peer(self, rank: int) -> bool:
+        reply = self.cell.futures[rank].result()
+        return isinstance(reply, BaseException) and peer_lost(one_line(reply))
+
+    def _consequence(self, reply) -> bool:
+        """A failure that follows another rank's leaving: its error says a peer went away,
+        and a rank failed or died before it. The first rank to fail is a cause whatever its
+        words say (a data loader's own 'connection reset by peer', say)."""
+        causes = any(why in ("failed", "died") for why in self.gone.values())
+        return causes and peer_lost(one_line(reply))
 
     def next_wake(self) -> float:
         """When tick has work next (monotonic time)."""
@@ -93,6 +107,7 @@ class WaitWatch:
             self.next_ask = now + (GONE_POLL_S if self.gone else HANG_POLL_S)
             try:  # never the end of a cell: without this watch it runs as it always did
                 found = supervision.waits(self.s, sorted(running), ASK_WAIT_S)
+                self.found = found
                 if self.gone:
                     self._release(found, now)
                 elif any(found.values()):  # a rank waits: say where (not "all computing")
@@ -100,8 +115,17 @@ class WaitWatch:
             except Exception as e:
                 log.warning("watching the ranks' waits: %s", e)
         if self.released_at is not None and now - self.released_at > RELEASE_GRACE_S:
-            return running & set(self.released)
+            return self._stuck(running & set(self.released), now - self.released_at)
         return set()
+
+    def _stuck(self, released: set[int], since: float) -> set[int]:
+        """Released ranks given up as stuck: those still in a wait, or not answering (native
+        code holds their interpreter). One out of its wait is ending its cell: its error's
+        traceback alone can take seconds of CPU on a loaded host (IPython formats it), and
+        giving it up then refused the rebuild that follows; it gets RELEASE_GIVE_UP_S."""
+        if since > RELEASE_GIVE_UP_S:
+            return released
+        return {r for r in released if self.found.get(r, "no answer")}
 
     def _show_failures(self, running: set[int], now: float) -> None:
         """A failure's traceback at once, while others still run. Ranks that fail together
@@ -199,7 +223,7 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
         with s.engines.client.lock:
             ar = s.engines.view(ending).apply_async(bootstrap.release_groups, peer_links)
     if blocked and nccl:
-        s.rendezvous.ask(blocked, "abort", ASK_WAIT_S)
+        s.rendezvous.ask(blocked, f"abort {s.attempt}", ASK_WAIT_S)
     elif blocked:
         leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
         close = {r: waits.links_between(links, r, leaving) for r in blocked}

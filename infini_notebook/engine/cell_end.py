@@ -1,0 +1,160 @@
+"""When a cell ends on a rank. Two rules the Python code alone does not give:
+
+- Leaving the cell's code is not finishing it. NCCL calls return at once, and the GPU may
+  still wait for a peer after the code left the cell (as may a gloo ``async_op`` collective
+  nobody waited for). A cell ends once the device work it queued is done: a CUDA event
+  recorded on the current stream at the end of the code, and every collective the Flight
+  Recorder holds as pending (core/recorder.py), which covers NCCL's own streams. Until then
+  the rank is in its cell: busy, and waiting (the wait probe reads the recorder) where a
+  peer never comes, so that the kernel can release it. Polled with sleeps: the GIL stays
+  free for the rank's answering thread.
+- A released rank fails its cell. After ``ncclCommAbort`` a waiting sync may return with the
+  buffer untouched (torch documents the abort for TORCH_NCCL_ASYNC_ERROR_HANDLING=0, where no
+  error is raised into the waiting call), and the cell would go on with unreduced numbers.
+  So the answering thread that aborts marks the cell released and raises ``RankReleased`` in
+  the cell's thread (``PyThreadState_SetAsyncExc``: raised at its next bytecode, once the
+  native wait returns), and the cell fails at its end even if user code swallowed that.
+
+Both hang on IPython's ``run_cell_async``, which ipykernel's two paths (plain and async
+cells) both go through.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+_lock = threading.Lock()
+_state: dict = {"in_cell": False, "why": None}  # why: the release of the running cell
+
+
+class RankReleased(BaseException):
+    """This rank's wait was released: a rank it waited for left the cell. A BaseException,
+    so that an ``except Exception`` in the cell does not carry on with unreduced data."""
+
+    def __init__(self, *args):  # raised as a class by PyThreadState_SetAsyncExc: no args
+        super().__init__(*(args or (_state["why"] or "this rank's wait was released",)))
+
+
+def install(shell) -> None:
+    """Wrap the shell's ``run_cell_async`` (once per engine)."""
+    original = shell.run_cell_async
+    if getattr(original, "infini_cell_end", False):
+        return
+
+    async def run_cell_async(*args, **kwargs):
+        with _lock:
+            _state.update(in_cell=True, why=None)
+        try:
+            result = await original(*args, **kwargs)
+        except RankReleased as e:  # fired while IPython was showing the cell's own error
+            from IPython.core.interactiveshell import ExecutionResult
+
+            result = ExecutionResult(None)
+            result.error_in_exec = e
+        error = finish(result.success)
+        if error is not None:
+            if result.success:
+                shell.showtraceback((type(error), error, None), exception_only=True)
+                result.error_in_exec = error
+        return result
+
+    run_cell_async.infini_cell_end = True
+    shell.run_cell_async = run_cell_async
+
+
+def finish(succeeded: bool) -> BaseException | None:
+    """End the cell: wait for its device work (after code that succeeded), then leave it.
+    The error the cell must fail with, if any: a release, or an interrupt while waiting."""
+    error = None
+    try:
+        if succeeded:
+            wait_for_device_work()
+    except BaseException as e:  # RankReleased delivered here, or the Stop button
+        error = e
+    while True:  # a release just before the lock: its exception fires here; then retry
+        try:
+            with _lock:
+                _set_async_exc(None)  # none may fire later, in the kernel's own loop
+                _state["in_cell"] = False
+                why, _state["why"] = _state["why"], None
+            break
+        except RankReleased as e:
+            error = error or e
+    if why and error is None:
+        error = RankReleased(why)
+    return error
+
+
+def release(why: str, interrupt: bool) -> bool:
+    """From the answering thread, as this rank's wait is released: the running cell fails
+    with ``why``; with ``interrupt``, at once (NCCL: a sync may return normally after the
+    abort), else at its end (gloo: the closed connection raises in the wait itself). False
+    when no cell runs (nothing to fail)."""
+    with _lock:
+        if not _state["in_cell"]:
+            return False
+        _state["why"] = why
+        if interrupt:
+            _set_async_exc(RankReleased)
+        return True
+
+
+def _set_async_exc(exc) -> None:
+    """Raise ``exc`` (a class) in the cell's thread at its next bytecode; None: clear one
+    not raised yet (ctypes passes None as NULL)."""
+    ident = ctypes.c_ulong(threading.main_thread().ident)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ident, None if exc is None else ctypes.py_object(exc)
+    )
+
+
+POLL_MAX_S = 0.05
+
+
+def wait_for_device_work() -> None:
+    """Until the device work queued by the cell is done (see the module's docstring)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return
+    event = _record_event()
+    delay = 0.001
+    while not (_done(event) and not _collectives_pending()):
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+
+
+def _record_event():
+    """A CUDA event at the end of the current stream's work, or None off the GPU."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _done(event) -> bool:
+    return event is None or event.query()
+
+
+def _collectives_pending() -> bool:
+    """Whether the Flight Recorder holds a collective of this rank as pending. Its groups'
+    status first (cheap, no entries): nothing enqueued past what completed is the common
+    case. NCCL's status lags (its watchdog marks completions), so then the entries, whose
+    states the dump refreshes (``update_state`` in FlightRecorderDetail.hpp)."""
+    import torch.distributed as dist
+
+    from ..core import recorder
+    from . import wait_probe
+
+    if not dist.is_initialized():
+        return False
+    status = wait_probe.flight_recorder_dump(entries=False)
+    if not status or not recorder.anything_enqueued(status):
+        return False
+    dump = wait_probe.flight_recorder_dump()
+    return bool(dump and [e for e in recorder.pending(dump) if not e.get("is_p2p")])
