@@ -75,12 +75,7 @@ class DistMagics(Magics):
         options.ssh_args = _unquote(options.ssh_args)
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
-        gpus = [rs.gpu for rs in session.ranks if rs.gpu is not None]
-        on = f"; GPUs {','.join(gpus)}" if gpus else ""
-        print(
-            f"{session.world_size} ranks ready ({session.plan.backend}{on}; "
-            f"{session.engines.how}). Use %%dist to run code."
-        )
+        print(f"{ready_line(session)} Use %%dist to run code.")
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")
@@ -441,3 +436,18 @@ class DistMagics(Magics):
         if not code.strip():
             raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
         _session().post_mortem(code, ranks)
+
+
+def ready_line(session) -> str:
+    """'4 ranks ready (nccl; GPUs 4,5,6,7; 8 threads per rank; engines forked ...).'"""
+    ranks = session.ranks
+    gpus = [rs.gpu for rs in ranks if rs.gpu is not None]
+    threads = sorted({rs.threads for rs in ranks if rs.threads})
+    parts = [session.plan.backend]
+    if gpus:
+        parts.append(f"GPUs {','.join(gpus)}")
+    if threads:
+        each = "/".join(map(str, threads))
+        parts.append(f"{each} thread{'s' if threads != [1] else ''} per rank")
+    parts.append(session.engines.how)
+    return f"{session.world_size} ranks ready ({'; '.join(parts)})."

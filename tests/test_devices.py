@@ -49,11 +49,10 @@ def test_the_flag_takes_a_count_or_ids():
 
 
 def test_ranks_use_the_listed_gpus_in_order():
-    plan = make_plan(gpus="4,5,6,7", visible_gpus=EIGHT, cpu_count=16)
+    plan = make_plan(gpus="4,5,6,7", visible_gpus=EIGHT)
     assert (plan.world_size, plan.backend, plan.gpus) == (4, "nccl", ("4", "5", "6", "7"))
     assert [plan.cuda_devices(r) for r in range(4)] == [("4,5,6,7", r) for r in range(4)]
     assert [plan.physical_gpu(r) for r in range(4)] == ["4", "5", "6", "7"]
-    assert plan.threads_per_rank == 4
 
 
 def test_ids_count_the_kernels_visible_gpus():

@@ -20,9 +20,9 @@ from infini_notebook.core.ranks import format_ranks, parse_ranks, rank_label
 
 # ----- plan ------------------------------------------------------------------------------
 def test_nprocs_gives_gloo_cpu_ranks():
-    plan = make_plan(nprocs=4, visible_gpus=[], cpu_count=8)
+    plan = make_plan(nprocs=4, visible_gpus=[])
     assert (plan.world_size, plan.backend, plan.gpus) == (4, "gloo", ())
-    assert plan.threads_per_rank == 2
+    assert plan.threads is None  # each rank's rule, on its host (see the threads tests)
     assert plan.init_method.kind == "env" and plan.init_method.host == "127.0.0.1"
 
 
@@ -330,3 +330,15 @@ def test_ranks_are_never_told_to_connect_to_0_0_0_0():
         make_plan(**remote, bind_address="0.0.0.0", host_addresses=[*one, "192.168.1.2"])
     local = make_plan(nprocs=2, init_method="tcp://0.0.0.0:29500", host_addresses=one)
     assert local.store_address == "127.0.0.1"  # ranks on this host
+
+
+# ----- threads per rank (issue 30, item 10) ---------------------------------------------
+def test_threads_per_rank_share_the_hosts_cpus_unless_given():
+    from infini_notebook.engine.bootstrap import threads_for
+
+    assert threads_for({"local_world_size": 4}, cpus=8) == 2
+    assert threads_for({"local_world_size": 16}, cpus=8) == 1  # never 0
+    assert threads_for({"local_world_size": 4, "threads": 3}, cpus=8) == 3
+    assert make_plan(nprocs=2, threads=3, visible_gpus=[]).threads == 3
+    with pytest.raises(DistUsageError, match="at least 1 thread"):
+        make_plan(nprocs=2, threads=0, visible_gpus=[])

@@ -111,6 +111,27 @@ def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_repl
     assert psutil.wait_procs(procs, timeout=15)[1] == []
 
 
+THREADS = (
+    "%%dist\nimport os, numpy\nfrom threadpoolctl import threadpool_info\n"
+    "print(torch.get_num_threads(), os.environ['OPENBLAS_NUM_THREADS'],"
+    " sorted({p['num_threads'] for p in threadpool_info()}))"
+)
+
+
+def test_warm_and_cold_ranks_run_the_same_threads_and_say_so(kernel):
+    """One rule on every start (issue 30, item 10): forked ranks (numpy's BLAS started in the
+    template with one thread) and new processes (with one per CPU) alike."""
+    use_session(kernel, None)
+    lines = {}
+    for flags in ("--threads 2", "--threads 2 --no-template"):
+        out = text_of(kernel.run(f"%dist_start --nprocs 2 {flags}", timeout=180))
+        assert "2 threads per rank" in out, out
+        lines[flags] = sorted(text_of(kernel.run(THREADS), "stdout").splitlines())
+        kernel.run("%dist_stop")
+    assert lines["--threads 2"] == lines["--threads 2 --no-template"], lines
+    assert lines["--threads 2"][0].endswith("] 2 2 [2]"), lines
+
+
 def test_no_template_starts_engines_as_new_processes_and_says_so(kernel):
     use_session(kernel, None)
     out = text_of(kernel.run("%dist_start --nprocs 2 --no-template", timeout=180))

@@ -32,6 +32,11 @@ class StartOptions:
         "each rank sees its node's GPUs and is pinned to cuda:LOCAL_RANK",
     )
     nprocs: int | None = _opt(type=int, help="number of CPU ranks (gloo)")
+    threads: int | None = _opt(
+        type=int,
+        help="threads per rank for torch, OpenMP and BLAS (default: the CPUs this process may "
+        "use on the rank's host, divided by that host's ranks)",
+    )
     backend: str = _opt("auto", help="auto (default), nccl or gloo")
     timeout: float = _opt(300.0, type=float, help="collective timeout in seconds")
     init_method: str = _opt("env://", help="env:// (default), tcp://HOST:PORT or file:///PATH")

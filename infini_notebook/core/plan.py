@@ -92,7 +92,7 @@ class SessionPlan:
     timeout: float
     init_method: InitMethod
     layout: dict = field(default_factory=dict)  # ParallelLayout.to_dict()
-    threads_per_rank: int = 1
+    threads: int | None = None  # --threads; None: the rule (engine.bootstrap.threads_for)
     bind_address: str = "127.0.0.1"
     placement: Placement = field(default_factory=Placement)
     # Where ranks connect to the controller and the store: the listening address, or for
@@ -191,7 +191,6 @@ def make_plan(
     options: StartOptions | None = None,
     *,
     visible_gpus: list[str] | None = None,
-    cpu_count: int | None = None,
     host_addresses: list[str] | None = None,
     layout: dict | None = None,
     **keywords,
@@ -201,7 +200,7 @@ def make_plan(
     ``layout``) fill a StartOptions. ``host_addresses``: this machine's IP addresses."""
     if options is None:
         options = StartOptions(**keywords, **(layout or {}))
-    plan = _make_plan(options, visible_gpus, cpu_count)
+    plan = _make_plan(options, visible_gpus)
     plan = replace(plan, template_off=template_off(options, plan))
     return with_addresses(plan, host_addresses or [])
 
@@ -255,9 +254,7 @@ def reachable(plan: SessionPlan, host: str, host_addresses: list[str], flag: str
     )
 
 
-def _make_plan(
-    options: StartOptions, visible_gpus: list[str] | None, cpu_count: int | None
-) -> SessionPlan:
+def _make_plan(options: StartOptions, visible_gpus: list[str] | None) -> SessionPlan:
     o = options
     if o.backend not in BACKENDS:
         raise DistUsageError(
@@ -270,7 +267,7 @@ def _make_plan(
             f"Unknown --launcher {o.launcher!r}: choose one of {', '.join(LAUNCHERS)}."
         )
     if o.launcher != "local" or o.hosts:
-        return _remote_plan(o, cpu_count)
+        return _remote_plan(o)
     backend, bind_address = o.backend, o.bind_address
     gpus, world = choose_devices(o.gpus, o.nprocs, backend, list(visible_gpus or []))
     on_gpu = bool(gpus)
@@ -283,7 +280,6 @@ def _make_plan(
         )
     method = parse_init_method(o.init_method, bind_address)
     layout_dict = _check_layout(world, o.layout)
-    cores = cpu_count or os.cpu_count() or 1
     return SessionPlan(
         world_size=world,
         backend=backend,
@@ -291,7 +287,7 @@ def _make_plan(
         timeout=float(o.timeout),
         init_method=method,
         layout=layout_dict,
-        threads_per_rank=max(1, cores // world),
+        threads=_threads(o),
         bind_address=bind_address,
         placement=Placement(env=parse_env(o.env)),
     )
@@ -324,7 +320,7 @@ def parse_env(items: list[str] | None) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
+def _remote_plan(o: StartOptions) -> SessionPlan:
     """Plans for ranks started by ssh, mpiexec or Slurm (possibly on other hosts)."""
     import shlex
 
@@ -372,8 +368,6 @@ def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
         remote_python=o.remote_python or sys.executable,
         slurm=tuple((k, v) for k, v in o.slurm.items() if v),
     )
-    cores = cpu_count or os.cpu_count() or 1
-    per_host = max(slots for _, slots in host_list)
     return SessionPlan(
         world_size=world,
         backend=backend,
@@ -381,10 +375,16 @@ def _remote_plan(o: StartOptions, cpu_count: int | None) -> SessionPlan:
         timeout=float(o.timeout),
         init_method=parse_init_method(o.init_method, bind_address),
         layout=_check_layout(world, o.layout),
-        threads_per_rank=max(1, cores // per_host),
+        threads=_threads(o),
         bind_address=bind_address,
         placement=placement,
     )
+
+
+def _threads(o: StartOptions) -> int | None:
+    if o.threads is not None and o.threads < 1:
+        raise DistUsageError(f"--threads {o.threads}: give at least 1 thread per rank.")
+    return o.threads
 
 
 def _check_layout(world: int, layout: dict) -> dict:

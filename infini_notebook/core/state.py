@@ -23,6 +23,7 @@ class RankState:
     memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)
     exit_code: int | None = None
     gpu: str | None = None  # the physical GPU: its CUDA_VISIBLE_DEVICES entry in the kernel
+    threads: int | None = None  # torch's intra-op threads on the rank
     # live, from the rank's telemetry thread (engine.TELEMETRY_FIELDS); None until it reports
     memory_total: int | None = None
     gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank

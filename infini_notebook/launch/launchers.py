@@ -75,9 +75,9 @@ def controller_options() -> dict:
 
 
 def engine_env(plan: SessionPlan) -> dict[str, str]:
-    env = {"OMP_NUM_THREADS": str(plan.threads_per_rank)}
-    env.update(dict(plan.placement.env))
-    return env
+    """What engines start with beyond the kernel's environment: --env. Threads are set by
+    each rank at bootstrap, on its own host (engine.bootstrap.threads_for)."""
+    return dict(plan.placement.env)
 
 
 def template_env(plan: SessionPlan) -> dict[str, str]:

@@ -42,7 +42,7 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "backend": plan.backend,
         "timeout": plan.timeout,
         "cuda": plan.cuda_devices(rank),
-        "threads": plan.threads_per_rank,
+        "threads": plan.threads,
         **rdzv.engine_fields(),
         "layout": plan.layout,
         "kernel_pid": kernel.pid,
@@ -139,6 +139,7 @@ def rank_table(plan: SessionPlan, engines: Engines, infos: dict[int, dict]) -> l
                 state="idle",
                 coords=layout.coords(r),
                 gpu=plan.physical_gpu(r),
+                threads=info.get("threads"),
             )
         )
     return rows
