@@ -1,6 +1,7 @@
-"""%dist_bench against a plain torch.distributed loop: 1 MiB all_reduce on 4 gloo ranks.
+"""%dist_bench against a plain torch.distributed loop: 1 MiB all_reduce on 4 gloo ranks
+(or one rank per GPU on nccl with --gpus N, where %dist_bench times with CUDA events).
 
-    .venv/bin/python benchmarks/bench_allreduce.py [--nprocs 4] [--iters 50] [--repeats 5]
+    .venv/bin/python benchmarks/bench_allreduce.py [--nprocs 4 | --gpus N] [--iters 50]
 
 Both run on the same engines in one process, interleaved so that both see the same machine
 load: ``%dist_bench all_reduce --sizes 1M`` (its reported time per iteration) and a loop
@@ -21,11 +22,12 @@ import time
 _x = torch.zeros({count}, dtype=torch.float32, device=device)
 for _ in range({warmup}):
     dist.all_reduce(_x)
-dist.barrier()
+_sync = torch.cuda.synchronize if _x.is_cuda else (lambda: None)
+_sync(); dist.barrier()
 _t0 = time.perf_counter()
 for _ in range({iters}):
     dist.all_reduce(_x)
-dist.barrier()
+_sync(); dist.barrier()
 plain_s = (time.perf_counter() - _t0) / {iters}
 """
 
@@ -55,6 +57,7 @@ def ours(shell, iters: int, warmup: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=None, help="one rank per GPU, nccl")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=9)
@@ -66,7 +69,8 @@ def main() -> None:
 
     shell = start_ipython()
     shell.run_line_magic("load_ext", "infini_notebook")
-    session = infini_notebook.start(nprocs=args.nprocs)
+    where = {"gpus": args.gpus} if args.gpus else {"nprocs": args.nprocs}
+    session = infini_notebook.start(**where)
     try:
         mine, hand, walls = [], [], []
         for _ in range(args.repeats):  # alternate so neither side gets a quieter machine
@@ -79,11 +83,15 @@ def main() -> None:
         session.stop()
 
 
+def ranks_text(args) -> str:
+    return f"{args.gpus} nccl ranks" if args.gpus else f"{args.nprocs} gloo ranks"
+
+
 def report(args, mine: list[float], hand: list[float], walls: list[float]) -> None:
     """Best of N is the headline (timeit's rule: other load only ever adds time); medians
     are printed beside it to show the noise."""
     print(
-        f"\n1 MiB float32 all_reduce, {args.nprocs} gloo ranks, {args.iters} iters, "
+        f"\n1 MiB float32 all_reduce, {ranks_text(args)}, {args.iters} iters, "
         f"{args.repeats} interleaved runs each:"
     )
     for name, f in (("best", min), ("median", statistics.median)):

@@ -322,7 +322,7 @@ class Session:
     ) -> dict[int, Any]:
         """Call an importable function on ``ranks`` at once; ``{rank: return value}``.
 
-        The function runs in the engine process; ``engine.user_namespace()`` reaches the
+        The function runs in the engine process; ``engine.bootstrap.user_namespace()`` reaches the
         ``%%dist`` namespace. Raises DistCellError naming the ranks that raised."""
         what = getattr(fn, "__name__", "call")
         targets = self._targets_for(what, ranks)

@@ -18,6 +18,7 @@ from .core.automode import AUTO_MARKER
 from .core.errors import DistUsageError
 from .core.options import StartOptions, flag_specs
 from .core.output import RankValues, main_thread_stack
+from .viz.status_render import ready_text
 
 
 def _session() -> cluster.Session:
@@ -75,7 +76,8 @@ class DistMagics(Magics):
         options.ssh_args = _unquote(options.ssh_args)
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
-        print(f"{ready_line(session)} Use %%dist to run code.")
+        rows, how = session.ranks, session.engines.how
+        print(f"{ready_text(session.plan.backend, rows, how)} Use %%dist to run code.")
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")
@@ -436,18 +438,3 @@ class DistMagics(Magics):
         if not code.strip():
             raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
         _session().post_mortem(code, ranks)
-
-
-def ready_line(session) -> str:
-    """'4 ranks ready (nccl; GPUs 4,5,6,7; 8 threads per rank; engines forked ...).'"""
-    ranks = session.ranks
-    gpus = [rs.gpu for rs in ranks if rs.gpu is not None]
-    threads = sorted({rs.threads for rs in ranks if rs.threads})
-    parts = [session.plan.backend]
-    if gpus:
-        parts.append(f"GPUs {','.join(gpus)}")
-    if threads:
-        each = "/".join(map(str, threads))
-        parts.append(f"{each} thread{'s' if threads != [1] else ''} per rank")
-    parts.append(session.engines.how)
-    return f"{session.world_size} ranks ready ({'; '.join(parts)})."

@@ -154,3 +154,18 @@ def test_status_and_ready_line_name_the_physical_gpu():
     assert device_label(rs) == "cuda:0 H100"
     rs.gpu = "5"
     assert device_label(rs) == "cuda:0 (GPU 5) H100"
+
+
+def test_the_ready_line_names_gpus_and_threads_per_rank():
+    from infini_notebook.core.state import RankState
+    from infini_notebook.viz.status_render import ready_text
+
+    rows = [
+        RankState(r, 1, "h", f"cuda:{r}", "H100", "idle", gpu=str(4 + r), threads=8)
+        for r in range(4)
+    ]
+    assert ready_text("nccl", rows, "engines forked") == (
+        "4 ranks ready (nccl; GPUs 4,5,6,7; 8 threads per rank; engines forked)."
+    )
+    cpu = [RankState(r, 1, "h", "cpu", "cpu", "idle", threads=1) for r in range(2)]
+    assert ready_text("gloo", cpu, "x") == "2 ranks ready (gloo; 1 thread per rank; x)."

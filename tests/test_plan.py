@@ -334,7 +334,7 @@ def test_ranks_are_never_told_to_connect_to_0_0_0_0():
 
 # ----- threads per rank (issue 30, item 10) ---------------------------------------------
 def test_threads_per_rank_share_the_hosts_cpus_unless_given():
-    from infini_notebook.engine.bootstrap import threads_for
+    from infini_notebook.engine.threads import per_rank as threads_for
 
     assert threads_for({"local_world_size": 4}, cpus=8) == 2
     assert threads_for({"local_world_size": 16}, cpus=8) == 1  # never 0

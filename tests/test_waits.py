@@ -112,6 +112,7 @@ def test_an_abort_or_close_meant_for_earlier_groups_is_answered_stale():
     from infini_notebook.engine import rank_services
 
     rank_services.follow_attempt(2)  # the groups were rebuilt twice since
+    assert rank_services.answer("release 1", scratch=None) == "stale"
     assert rank_services.answer("abort 1", scratch=None) == "stale"
     assert rank_services.answer("close 1 []", scratch=None) == "stale"
 

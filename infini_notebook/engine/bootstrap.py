@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import cell_end, output_streams, rank_services, shm_transport, tuning, wait_probe
+from . import cell_end, output_streams, rank_services, shm_transport, threads, tuning, wait_probe
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -64,7 +64,7 @@ def bootstrap(cfg: dict) -> dict:
     """Set up this rank: environment, device, process group, parallel groups, namespace.
 
     ``cfg`` comes from the kernel (see ``launch.startup.engine_config``)."""
-    cfg = dict(cfg, threads=threads_for(cfg))
+    cfg = dict(cfg, threads=threads.per_rank(cfg))
     if cfg.get("remove_copy"):
         remove_remote_copy(cfg["workdir"])
     _set_environment(cfg)
@@ -78,8 +78,7 @@ def bootstrap(cfg: dict) -> dict:
     cell_end.install(get_ipython())
     import torch
 
-    torch.set_num_threads(cfg["threads"])
-    _limit_native_pools(cfg["threads"])
+    threads.apply(cfg["threads"])
     _install_env_rendezvous()
     if cfg.get("cuda") is not None:
         torch.cuda.set_device(_device(torch, cfg))  # cuda:LOCAL_RANK, as torchrun code expects
@@ -100,27 +99,6 @@ def remove_remote_copy(workdir: str) -> bool:
         return False
     remove_session_folder(workdir)
     return True
-
-
-def threads_for(cfg: dict, cpus: int | None = None) -> int:
-    """Threads per rank: --threads, else the CPUs this process may use on its host (its
-    affinity: a cgroup's cpuset or taskset counts) shared by the ranks on that host. The
-    same on every start, warm or cold, and computed where the rank runs."""
-    if cfg.get("threads"):
-        return int(cfg["threads"])
-    cpus = cpus or len(os.sched_getaffinity(0))
-    return max(1, cpus // max(1, int(cfg.get("local_world_size") or 1)))
-
-
-def _limit_native_pools(threads: int) -> None:
-    """BLAS and OpenMP pools already started in this process (numpy's OpenBLAS, imported by
-    the warm template with one thread, or at a cold engine's start with one per CPU) take
-    the rank's number too, where threadpoolctl is installed."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
-    threadpool_limits(threads)
 
 
 def _keep_no_output_history() -> None:
@@ -359,12 +337,6 @@ def reinit_distributed(attempt: int, attempt_key: str) -> dict:
     return describe_rank(user_namespace()["device"])
 
 
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def describe_rank(device=None) -> dict:
     """Static facts for the status display."""
     info = {
@@ -373,7 +345,7 @@ def describe_rank(device=None) -> dict:
         "device": str(device) if device is not None else "cpu",
         "device_name": "cpu",
         "memory_used": None,
-        "threads": _torch_threads(),
+        "threads": threads.torch_threads(),
     }
     if device is not None and getattr(device, "type", "") == "cuda":
         import torch

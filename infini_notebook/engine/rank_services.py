@@ -34,9 +34,10 @@ def start(cfg: dict) -> None:
 # The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
 # Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
-# nothing), "links" (its TCP connections: JSON), "abort ATTEMPT" (abort its NCCL
-# communicators), "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as
-# "links" gives them). ATTEMPT: the groups it is meant for; answered "stale" once rebuilt.
+# nothing), "links" (its TCP connections: JSON), "release ATTEMPT" (its running cell is to
+# fail), "abort ATTEMPT" (abort its NCCL communicators), "close ATTEMPT LINKS" (shut down
+# these of its TCP connections, JSON as "links" gives them). ATTEMPT: the groups it is meant
+# for; answered "stale" once they were rebuilt.
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -81,6 +82,8 @@ def answer(question: str, scratch) -> str:
         return json.dumps(wait_probe.tcp_links())
     if question.startswith("close "):
         return close_links(question)
+    if question.startswith("release "):
+        return release(question)
     if question.startswith("abort "):
         return abort(question)
     return _dump_stacks(scratch)
@@ -95,9 +98,21 @@ def follow_attempt(attempt: int) -> None:
 
 
 RELEASED = (
-    "this rank's wait was released and its process groups {how}: a rank it waited for left "
-    "the cell, so what the wait was to deliver never came"
+    "this rank's wait was released (its process groups were ended): a rank it waited for "
+    "left the cell, so what the wait was to deliver never came"
 )
+
+
+def release(question: str) -> str:
+    """Answer "release ATTEMPT": the running cell is to fail (see cell_end). Asked of every
+    rank whose wait is released before any connection of it is cut or communicator aborted:
+    a collective that fails once they are is retired like one that succeeded (gloo marks
+    both alike in the Flight Recorder), and the cell would end as if it had."""
+    from . import cell_end
+
+    if [int(question.split(" ", 1)[1])] != _attempt:
+        return "stale"
+    return "marked" if cell_end.release(RELEASED, interrupt=False) else "no cell"
 
 
 def abort(question: str) -> str:
@@ -109,23 +124,21 @@ def abort(question: str) -> str:
     if [int(question.split(" ", 1)[1])] != _attempt:
         return "stale"
     wait_probe.abort_groups()
-    cell_end.release(RELEASED.format(how="aborted"), interrupt=True)
+    cell_end.release(RELEASED, interrupt=True)
     return "aborted"
 
 
 def close_links(question: str) -> str:
     """Answer "close ATTEMPT LINKS": shut down these of this rank's connections, unless the
     groups were rebuilt since the kernel asked: a question answered late must not end the
-    new groups' connections. The running cell fails at its end (see cell_end)."""
-    from . import cell_end, wait_probe
+    new groups' connections."""
+    from . import wait_probe
 
     _, attempt, links = question.split(" ", 2)
     if [int(attempt)] != _attempt:
         return "stale"
     mine = json.loads(links)  # as seen from here; close_peer_links takes a peer's view
-    closed = wait_probe.close_peer_links([[r, lo] for lo, r in mine])
-    cell_end.release(RELEASED.format(how="disconnected"), interrupt=False)
-    return str(closed)
+    return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))
 
 
 # A rank whose stack thread cannot run (native code holds the GIL: a CUDA copy waiting on a

@@ -7,8 +7,8 @@ Three layers, as the rest of the package:
 
 - pure, in ``busbw``: size parsing, nccl-tests' byte counting and bus bandwidth factors,
   per-rank replies -> rows, the text table (re-exported here);
-- engine side, in ``bench_engine``: ``engine_step`` and ``engine_p2p``, called by the kernel
-  through ``Session.apply``;
+- engine side, in ``engine/bench_kernels.py``: ``engine_step`` and ``engine_p2p``, called by
+  the kernel through ``Session.apply``;
 - kernel side, here: the group partitions of a kind, ``run_bench`` / ``run_p2p`` loop over
   steps (one apply each, so an interrupt stops between steps) and return pandas DataFrames.
 

@@ -213,6 +213,8 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     from ..engine import bootstrap
 
     nccl = "nccl" in s.plan.backend
+    if blocked:  # first, before anything of theirs is cut: see rank_services.release
+        s.rendezvous.ask(blocked, f"release {s.attempt}", ASK_WAIT_S)
     links: dict[int, list] = {}
     if ending or (blocked and not nccl):
         alive = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
@@ -227,10 +229,9 @@ def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -
     elif blocked:
         leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
         close = {r: waits.links_between(links, r, leaving) for r in blocked}
-        # Every blocked rank is told, even with no connection of its own to close: its
-        # cell must fail (engine/cell_end.py), not end as if its pending work had been done.
-        questions = {r: f"close {s.attempt} {json.dumps(own)}" for r, own in close.items()}
-        s.rendezvous.ask(sorted(questions), questions, ASK_WAIT_S)
+        questions = {r: f"close {s.attempt} {json.dumps(own)}" for r, own in close.items() if own}
+        if questions:
+            s.rendezvous.ask(sorted(questions), questions, ASK_WAIT_S)
     if ending:
         try:
             log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))

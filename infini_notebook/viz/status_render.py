@@ -132,3 +132,17 @@ def status_text(
             f"{rs.pid:>7}  {device_text(rs)}"
         )
     return "\n".join(rows)
+
+
+def ready_text(backend: str, rows: Sequence[RankState], how: str) -> str:
+    """%dist_start's line: '4 ranks ready (nccl; GPUs 4,5,6,7; 8 threads per rank; how).'"""
+    gpus = [rs.gpu for rs in rows if rs.gpu is not None]
+    threads = sorted({rs.threads for rs in rows if rs.threads})
+    parts = [backend]
+    if gpus:
+        parts.append(f"GPUs {','.join(gpus)}")
+    if threads:
+        each = "/".join(map(str, threads))
+        parts.append(f"{each} thread{'s' if threads != [1] else ''} per rank")
+    parts.append(how)
+    return f"{len(rows)} ranks ready ({'; '.join(parts)})."
