@@ -29,6 +29,11 @@ class Cell:
     # rank's idle status ends it at once; the wait runs out only for an engine that went
     # silent after its reply. 2 s lost a rank's last line on a loaded machine.
     TRAILING_QUIET_S = 10.0
+    # ... unless the engine is known to be alive: its idle status will come. An engine's
+    # final flush of a flood waits up to 10 s for its own IO thread (ipykernel's
+    # OutStream.flush_timeout) and then replies anyway, so the last stream message and
+    # the idle status can trail the reply by more than the quiet window.
+    TRAILING_ALIVE_MAX_S = 120.0
 
     def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
         internals.require(ar, ("_children",), "ipyparallel", "AsyncResult: one future per rank")
@@ -78,20 +83,28 @@ class Cell:
             self.dirty.add(rank)
         self.changed.set()
 
-    def wait_for_trailing_output(self) -> None:
+    def wait_for_trailing_output(self, alive=None) -> None:
         """iopub trails the replies: wait for each replied rank's output to end (its idle
-        status) for as long as messages keep coming. A fixed wait lost the tail of a flood
-        that the client was still reading on a loaded machine."""
+        status) for as long as messages keep coming, or, with ``alive(rank)``, for as long
+        as a rank still owing its idle status is alive (up to TRAILING_ALIVE_MAX_S). A fixed
+        wait lost the tail of a flood that the client was still reading on a loaded
+        machine."""
         start = time.monotonic()
         while True:
-            pending = [self.futures[r].output for r in self.targets if self.done(r)]
+            owing = [r for r in self.targets if self.done(r) and not self.futures[r].output.done()]
+            if not owing:
+                return
             heard = max(start, self.heard_at)
-            quiet_left = heard + self.TRAILING_QUIET_S - time.monotonic()
+            now = time.monotonic()
+            quiet_left = heard + self.TRAILING_QUIET_S - now
             if quiet_left <= 0:
-                return
-            _, still = concurrent.futures.wait(pending, timeout=min(quiet_left, 0.2))
-            if not still:
-                return
+                if alive is None or now - start > self.TRAILING_ALIVE_MAX_S:
+                    return
+                if not any(alive(r) for r in owing):
+                    return
+                quiet_left = 1.0  # look again in a second
+            outputs = [self.futures[r].output for r in owing]
+            concurrent.futures.wait(outputs, timeout=min(quiet_left, 0.2))
 
     def _wake(self, rank: int, _future=None) -> None:
         with self._dirty_lock:

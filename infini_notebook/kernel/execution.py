@@ -61,7 +61,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
         finally:
             s.book.set_busy(targets, False)
             cell.detach()
-        result = collect(cell, time.perf_counter() - t0, watch)
+        result = collect(cell, time.perf_counter() - t0, watch, supervision.liveness(s))
     finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
         s.engines.client.forget(ar.msg_ids)
     s.last = result
@@ -154,11 +154,11 @@ def give_up_stuck(s, cell: Cell, stuck: list[int]) -> None:
     cell.printer.err(report)
 
 
-def collect(cell: Cell, elapsed: float, watch: WaitWatch) -> CellResult:
+def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellResult:
     """The finished cell: its last output shown, its values and errors gathered. Ranks
     without a reply (dead, or stuck after a release) are errors; tracebacks already shown
     live, and those of ranks whose wait was released (their peer left), are not repeated."""
-    cell.wait_for_trailing_output()
+    cell.wait_for_trailing_output(alive)
     cell.show(final=True)
     result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}
