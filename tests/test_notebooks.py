@@ -54,6 +54,8 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     # live usage in status tables (RSS and CPU %, or GPU memory and utilization) varies
     (re.compile(r"\s*·\s*(RSS \S+ \S+|CPU \d+%|[\d.]+ \S+ of [\d.]+ \S+|util \d+%)"), ""),
     (re.compile(r"\b(RSS [\d.]+ ?\w+|CPU \d+%)"), "USAGE"),  # the same as printed values
+    # threads per rank follow the machine's CPUs (the ready line)
+    (re.compile(r"\d+(/\d+)* threads? per rank"), "THREADS per rank"),
     # spare engines are forked once the session has been idle a second: there or not yet
     (re.compile(r"\s*·\s*\d+ spare engines for the next hard restart"), ""),
     # status tables: 'rank state coords host pid device'; host and pid vary by machine

@@ -42,6 +42,7 @@ class WaitWatch:
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
         self.found: dict[int, dict | None] = {}  # the latest answers: rank -> its wait
         self.since: dict[int, tuple] = {}  # rank -> (its wait, first seen) for a hang
+        self.last_wait: dict[int, tuple] = {}  # rank -> (its last wait, when) for a hang
         self.started = time.monotonic()
         self.next_ask = self.started + HANG_POLL_S
         self.hang_shown = ""
@@ -169,7 +170,16 @@ class WaitWatch:
 
     def _show_hang(self, found: dict, now: float) -> None:
         """Shown once a rank has been in the same wait (call, group, number) HANG_AFTER_S:
-        a cell that moves from collective to collective, however slowly, shows nothing."""
+        a cell that moves from collective to collective, however slowly, shows nothing. A
+        rank just out of its wait keeps it in the line for HANG_AFTER_S: one whose wait
+        timed out is still formatting its error (seconds on a loaded host) when the line is
+        last updated, and 'computing' would be its last word."""
+        found = dict(found)
+        for r, wait in list(found.items()):
+            if wait:
+                self.last_wait[r] = (wait, now)
+            elif r in self.last_wait and now - self.last_wait[r][1] < HANG_AFTER_S:
+                found[r] = self.last_wait[r][0]
         for r, wait in found.items():
             key = repr(sorted(wait.items())) if wait else None
             if self.since.get(r, (None,))[0] != key:
