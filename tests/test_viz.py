@@ -248,7 +248,7 @@ def test_status_widget_follows_a_running_cell(session4):
             coords = viz.coords_label(session4.layout.coords(r), session4.layout)
             assert f"<b>rank {r}</b> &nbsp;{coords}" in tile.value
         run = threading.Thread(
-            target=session4.run, args=("import time; time.sleep(2)",), kwargs={"echo": False}
+            target=session4.run, args=("import time; time.sleep(3)",), kwargs={"echo": False}
         )
         run.start()
         seen = wait_for(lambda: widget.states == ["busy"] * 4, 5)

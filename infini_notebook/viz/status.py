@@ -69,7 +69,6 @@ class StatusWidget(widgets.VBox):
     def refresh(self) -> list[RankState]:
         """Poll once and update the tiles (only changed ones send anything to the browser)."""
         states = self.session.status()
-        self.states = [rs.state for rs in states]
         now = time.monotonic()
         for tile, rs in zip(self.tiles, states):
             if rs.state != "busy":
@@ -78,6 +77,9 @@ class StatusWidget(widgets.VBox):
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
         summary = status_summary(states, *_helpers(self.session))
         self.summary.value = f'<div class="infini-title">{esc(summary)}</div>'
+        # Last: whoever waits on ``states`` then finds the tiles and summary of this poll
+        # (set first, they once showed a poll behind the states).
+        self.states = [rs.state for rs in states]
         return states
 
     @property
