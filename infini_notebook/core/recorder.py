@@ -51,10 +51,14 @@ def is_pending(entry: dict, completed: dict[int, int]) -> bool:
     return seq > completed.get(entry.get("pg_id"), -1)
 
 
-def pending(dump: dict) -> list[dict]:
-    """The entries still pending, oldest first."""
+def pending(dump: dict, collectives_only: bool = False) -> list[dict]:
+    """The entries still pending, oldest first (p2p ones left out with ``collectives_only``)."""
     completed = last_completed(dump)
-    found = [e for e in dump.get("entries") or [] if is_pending(e, completed)]
+    found = [
+        e
+        for e in dump.get("entries") or []
+        if is_pending(e, completed) and not (collectives_only and e.get("is_p2p"))
+    ]
     return sorted(found, key=lambda e: e.get("record_id", 0))
 
 
@@ -81,7 +85,7 @@ def describe(dump: dict, entry: dict) -> dict:
 
 def oldest_wait(dump: dict, collectives_only: bool = False) -> dict | None:
     """What the rank waits in by the recorder (its oldest pending entry), or None."""
-    entries = [e for e in pending(dump) if not (collectives_only and e.get("is_p2p"))]
+    entries = pending(dump, collectives_only)
     return describe(dump, entries[0]) if entries else None
 
 

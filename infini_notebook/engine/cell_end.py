@@ -157,4 +157,4 @@ def _collectives_pending() -> bool:
     if not status or not recorder.anything_enqueued(status):
         return False
     dump = wait_probe.flight_recorder_dump()
-    return bool(dump and [e for e in recorder.pending(dump) if not e.get("is_p2p")])
+    return bool(dump and recorder.pending(dump, collectives_only=True))

@@ -97,6 +97,11 @@ def follow_attempt(attempt: int) -> None:
     _attempt[:] = [attempt]
 
 
+def _stale(attempt: str) -> bool:
+    """A question meant for groups rebuilt since: answered late, it must not touch the new."""
+    return [int(attempt)] != _attempt
+
+
 RELEASED = (
     "this rank's wait was released (its process groups were ended): a rank it waited for "
     "left the cell, so what the wait was to deliver never came"
@@ -110,7 +115,7 @@ def release(question: str) -> str:
     both alike in the Flight Recorder), and the cell would end as if it had."""
     from . import cell_end
 
-    if [int(question.split(" ", 1)[1])] != _attempt:
+    if _stale(question.split(" ", 1)[1]):
         return "stale"
     return "marked" if cell_end.release(RELEASED, interrupt=False) else "no cell"
 
@@ -121,7 +126,7 @@ def abort(question: str) -> str:
     rebuilt since the kernel asked: a question answered late must not abort the new ones."""
     from . import cell_end, wait_probe
 
-    if [int(question.split(" ", 1)[1])] != _attempt:
+    if _stale(question.split(" ", 1)[1]):
         return "stale"
     wait_probe.abort_groups()
     cell_end.release(RELEASED, interrupt=True)
@@ -135,7 +140,7 @@ def close_links(question: str) -> str:
     from . import wait_probe
 
     _, attempt, links = question.split(" ", 2)
-    if [int(attempt)] != _attempt:
+    if _stale(attempt):
         return "stale"
     mine = json.loads(links)  # as seen from here; close_peer_links takes a peer's view
     return str(wait_probe.close_peer_links([[r, lo] for lo, r in mine]))

@@ -159,10 +159,11 @@ def _pending_in_flight_recorder() -> dict | None:
         return None
     dump = flight_recorder_dump()
     wait = recorder.oldest_wait(dump) if dump else None
-    if wait is not None and not wait["ranks"]:  # pg_config may not name the group's ranks
-        wait["ranks"] = _group_ranks(wait.pop("name", ""), wait["group"])
-    if wait is not None:
-        wait.pop("name", None)
+    if wait is None:
+        return None
+    name = wait.pop("name")
+    if not wait["ranks"]:  # pg_config may not name the group's ranks
+        wait["ranks"] = _group_ranks(name, wait["group"])
     return wait
 
 

@@ -65,10 +65,6 @@ class Client:
     def connected(self) -> bool:
         return self._client is not None
 
-    @property
-    def loop(self):
-        return self._loop
-
     def ids(self) -> set[int]:
         """The engine ids registered with the controller now."""
         with self.lock:

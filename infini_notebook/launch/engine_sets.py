@@ -32,7 +32,7 @@ class Engines:
 
         self.plan, self.folder = plan, folder
         self.client = Client()
-        self.template = WarmTemplate(warmed, launchers.template_env(plan))
+        self.template = WarmTemplate(warmed, launchers.template_env(plan) if warmed else None)
         self._eids: list[int] = []  # engine id of each rank
         self._pids: dict[int, psutil.Process] = {}  # ranks whose engine is ours, on this host
         self._set_id = ""  # the ranks' engine set (ipyparallel's), stopped by a hard restart
@@ -43,10 +43,6 @@ class Engines:
     def local(self, rank: int) -> psutil.Process | None:
         """The rank's engine process when it is one of ours on this host."""
         return self._pids.get(rank)
-
-    @property
-    def local_ranks(self) -> list[int]:
-        return sorted(self._pids)
 
     @property
     def pids(self) -> dict[int, psutil.Process]:

@@ -32,10 +32,6 @@ class Rendezvous:
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
 
     @property
-    def hosted(self) -> bool:
-        return self._keys is not None
-
-    @property
     def port(self) -> int:
         return self._server.port
 

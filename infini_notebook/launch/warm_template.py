@@ -21,7 +21,7 @@ class WarmTemplate:
         """``warmed``: a template started ahead (see prewarm.py), adopted with the
         environment ``env`` the session's engines start with."""
         self._proc: psutil.Process | None = warmed.template if warmed else None
-        self._env: dict = dict(env or {}) if warmed else {}
+        self._env: dict = dict(env or {})
 
     @property
     def process(self) -> psutil.Process | None:
