@@ -29,7 +29,7 @@ versions=$("$py" -c "import torch; print(torch.__version__, torch.version.cuda, 
 read -r torch_v cuda_v nccl_v ngpus <<< "$versions"
 echo "torch $torch_v, CUDA $cuda_v, NCCL $nccl_v, driver $driver, $ngpus GPUs"
 
-"$py" -m pytest -m gpu -q -p no:cacheprovider -rs tests 2>&1 | tee "$out/gpu_tests.log"
+"$py" -m pytest -m gpu -q -p no:cacheprovider -rsP -o timeout=150 tests 2>&1 | tee "$out/gpu_tests.log"
 tests=$(tail -1 "$out/gpu_tests.log" | sed 's/=//g; s/^ *//; s/ *$//')
 "$py" benchmarks/bench_allreduce.py --gpus "$ngpus" --repeats 5 2>&1 | tee "$out/bench.log"
 bench=$(grep -m1 "best:" "$out/bench.log" | sed 's/^ *//')

@@ -201,3 +201,65 @@ def test_nccl_wait_on_a_failed_rank_is_aborted_and_the_rank_survives(kernel):
         assert "[rank 0] 2.0 10" in out and "[rank 1] 2.0 11" in out
     finally:
         kernel.run("%dist_stop", allow_error=True)
+
+
+# The NCCL Flight Recorder is bound only in a CUDA build (c10d/init.cpp, USE_C10D_NCCL): its
+# schema has never been read live. A 1-rank all_reduce queued behind GPU sleep cycles stays
+# pending (NCCL's stream waits on the current one) while the host goes on.
+RECORDER_READ = """%%dist
+import json, time
+from infini_notebook.engine import wait_probe
+from infini_notebook.core import recorder
+x = torch.ones(1, device=device)
+torch.cuda._sleep(3 * 10**9)
+dist.all_reduce(x)
+dump = wait_probe.flight_recorder_dump()
+print("KEYS", sorted(dump or {}))
+print("PENDING", wait_probe._pending_in_flight_recorder())
+torch.cuda.synchronize()
+deadline = time.monotonic() + 10  # the NCCL watchdog marks completion as it polls
+while (after := wait_probe._pending_in_flight_recorder()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("AFTER", after)
+"""
+
+
+def test_the_nccl_flight_recorder_names_a_pending_collective_until_it_completes(kernel):
+    kernel.run("%dist_start --gpus 1 --timeout 60", timeout=300)
+    try:
+        out = text_of(kernel.run(RECORDER_READ, timeout=120))
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
+    print(out)  # the record of a live NCCL dump (pytest -rP shows it)
+    said = [ln.partition("] ")[2].split(" ", 1) for ln in out.splitlines() if "] " in ln]
+    lines = {key: value for key, value in said}
+    assert "pg_status" in lines["KEYS"], out
+    pending = ast.literal_eval(lines["PENDING"])
+    assert pending["op"] == "all_reduce" and pending["group"] == "world", out
+    assert pending["ranks"] == [0] and pending["seq"] >= 1, out
+    assert lines["AFTER"] == "None", out
+
+
+# Poisoned CUDA context: every later CUDA call on the rank fails, so only a new process helps.
+DEVICE_ASSERT = """%%dist
+import torch.nn.functional as F
+F.embedding(torch.tensor([5], device=device), torch.zeros(2, 3, device=device))
+torch.cuda.synchronize()
+"""
+
+
+def test_a_device_side_assert_is_reported_and_a_hard_restart_recovers(kernel):
+    kernel.run("%dist_start --gpus 1 --timeout 60", timeout=300)
+    try:
+        kernel.run("%%dist\nkeep = 7")
+        bad = text_of(kernel.run(DEVICE_ASSERT, allow_error=True, timeout=120))
+        after = text_of(kernel.run("%%dist\nprint(torch.ones(1, device=device).item())",
+                                   allow_error=True, timeout=120))  # fmt: skip
+        restart = text_of(kernel.run("%dist_restart --hard", allow_error=True, timeout=300))
+        out = text_of(kernel.run("%%dist\nprint(torch.ones(2, device=device).sum().item())"))
+        status = text_of(kernel.run("%dist_status"))
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
+    print(bad, after, restart, out, status, sep="\n----\n")  # what the user saw (-rP)
+    assert "device-side assert" in bad or "CUDA error" in bad, bad
+    assert "[rank 0] 2.0" in out, out
