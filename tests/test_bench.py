@@ -276,8 +276,9 @@ def test_dist_bench_magic_in_a_kernel(kernel):
 
 # --------------------------------------------------------------------------- GPU
 
+# raw: its backslash-n escapes belong to the code it generates (real newlines defeat dedent)
 GPU_SCRIPT = textwrap.dedent(
-    """
+    r"""
     import sys
     import infini_notebook
     from infini_notebook.kernel import bench
@@ -338,7 +339,7 @@ def test_gpu_sweep_with_cuda_events(gpus):
     proc = subprocess.run(
         [sys.executable, "-c", GPU_SCRIPT, str(gpus)],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])},
         capture_output=True,
         text=True,
         timeout=280,

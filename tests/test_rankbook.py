@@ -75,3 +75,14 @@ def test_telemetry_lands_on_the_rows():
     book = book_of(2)
     rows = snapshot(book, telemetry={1: {"rss": 123}})
     assert rows[1].rss == 123
+
+
+def test_a_kept_status_row_does_not_change_under_a_later_one():
+    """``before = session.status()`` then a later status: comparing them must show the
+    change (the GPU memory test compared a row with itself before rows were copies)."""
+    book = book_of(1)
+    (before,) = snapshot(book, telemetry={0: {"memory_used": 100}})
+    book.set_busy([0], True)
+    (after,) = snapshot(book, telemetry={0: {"memory_used": 300}})
+    assert (before.state, before.memory_used) == ("idle", 100)
+    assert (after.state, after.memory_used) == ("busy", 300)

@@ -6,6 +6,7 @@ Pure: the facts it cannot know (alive? stuck now? telemetry) are passed in."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -98,7 +99,9 @@ class RankBook:
         exit_code: Callable[[int], int | None],
     ) -> list[RankState]:
         """Each rank's row brought up to date: telemetry, then its state (stopped, dead,
-        stuck, busy, error, idle). A dead rank's exit code is looked up once."""
+        stuck, busy, error, idle). A dead rank's exit code is looked up once. Returns
+        copies: a caller keeping one (``before = session.status()``) compares it with a
+        later call, which would otherwise change it too."""
         with self._lock:
             busy, errored, rows = set(self._busy), set(self._errored), list(self._rows)
         for rs in rows:
@@ -118,4 +121,4 @@ class RankBook:
                 rs.state = "error"
             else:
                 rs.state = "idle"
-        return rows
+        return [dataclasses.replace(rs) for rs in rows]
