@@ -18,6 +18,7 @@ from .core.automode import AUTO_MARKER
 from .core.errors import DistUsageError
 from .core.options import StartOptions, flag_specs
 from .core.output import RankValues, main_thread_stack
+from .kernel.printers import TextPrinter
 from .viz.status_render import ready_text
 
 
@@ -115,7 +116,14 @@ class DistMagics(Magics):
             )
             display(printer.widget)
             return
-        session.run(cell, ranks, where=where, collapse=args.collapse, max_lines=args.max_lines)
+        session.run(
+            cell,
+            ranks,
+            where=where,
+            collapse=args.collapse,
+            max_lines=args.max_lines,
+            printer=TextPrinter(echo=True, owns_cell=True),  # shown again in rank order
+        )
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")

@@ -60,23 +60,27 @@ class StreamLabeler:
     _lines: dict = field(default_factory=dict)  # (rank, stream) -> lines shown
     capped: set = field(default_factory=set)  # (rank, stream) that hit max_lines
 
+    # Where each rank's whole text is, for the cap message: {(rank, stream): path}
+    full_text_at: dict = field(default_factory=dict)
+
     def feed(self, stream: str, new: dict[int, str], final: bool = False) -> str:
         """Given the text each rank wrote since the last call, return the labeled complete
         lines not shown yet. ``final`` also ends unfinished lines (the cell is over); give
         it every rank then, with "" for those that wrote nothing new."""
-        fresh: dict[int, str] = {}
-        for rank in sorted(new):
-            key = (rank, stream)
-            done = self._complete_lines(key, new[rank] or "")
-            line = self._open.get(key)
-            if final and line is not None:
-                if line.text:
-                    done.append(line.text)
-                del self._open[key]
-            complete = self._cap(key, "".join(f"{t}\n" for t in done))
-            if complete:
-                fresh[rank] = complete
-        return self._label(fresh)
+        fresh = {r: self.complete(r, stream, new[r] or "", final) for r in sorted(new)}
+        return self._label({r: text for r, text in fresh.items() if text})
+
+    def complete(self, rank: int, stream: str, text: str, final: bool = False) -> str:
+        """The complete lines (unlabeled, capped) that ``text`` ends for one rank's stream;
+        ``final`` also ends its unfinished line."""
+        key = (rank, stream)
+        done = self._complete_lines(key, text)
+        line = self._open.get(key)
+        if final and line is not None:
+            if line.text:
+                done.append(line.text)
+            del self._open[key]
+        return self._cap(key, "".join(f"{t}\n" for t in done))
 
     def live(self) -> str:
         """The unfinished lines being rewritten in place (progress lines), labeled, one per
@@ -114,9 +118,10 @@ class StreamLabeler:
         kept = "".join(lines[:room])
         if kept and not kept.endswith("\n"):
             kept += "\n"
+        where = self.full_text_at.get(key) or f"session.last.{stream}[{rank}] (its last MB)"
         return kept + (
-            f"... {stream} capped at {self.max_lines} lines for this cell; the whole text is "
-            f"in session.last.{stream}[{rank}] (raise the cap with %%dist --max-lines N)\n"
+            f"... {stream} capped at {self.max_lines} lines for this cell; every line is in "
+            f"{where} (raise the cap with %%dist --max-lines N)\n"
         )
 
     def _label(self, fresh: dict[int, str]) -> str:

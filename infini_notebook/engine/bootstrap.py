@@ -15,7 +15,16 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from . import cell_end, output_streams, rank_services, shm_transport, threads, tuning, wait_probe
+from . import (
+    cell_end,
+    cell_names,
+    output_streams,
+    rank_services,
+    shm_transport,
+    threads,
+    tuning,
+    wait_probe,
+)
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
     STACK_SIGNAL,
@@ -75,6 +84,7 @@ def bootstrap(cfg: dict) -> dict:
     from IPython import get_ipython
 
     output_streams.install(get_ipython())
+    cell_names.install(get_ipython())
     cell_end.install(get_ipython())
     import torch
 

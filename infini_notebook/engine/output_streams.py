@@ -6,7 +6,8 @@
   each cell, C stdio is flushed and a marker byte goes down each pipe; the cell ends once
   the reader has passed it (waiting at most ``SYNC_WAIT_S``).
 - From a thread, after its cell ended: kept and shown at the start of the next cell, each
-  line marked ``LATE`` (the kernel no longer listens to a finished cell).
+  line marked ``LATE`` (the kernel no longer listens to a finished cell), also when a pull,
+  push, bench or rebuild runs on the engine in between.
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ class Pipe:
             )
 
     def _for_ended_cell(self) -> bool:
-        header = self.stream.parent_header  # the cell this thread's text would go to
-        return header.get("msg_type") == "execute_request" and header.get(
-            "msg_id"
-        ) != self.cell.get("msg_id")
+        """Whether text from a thread other than the cell's would go to a request that is
+        not the running cell: a cell that ended, or a pull, push or bench (apply requests,
+        whose output no cell shows), or nothing, between requests."""
+        header = self.stream.parent_header  # the request this thread's text would go to
+        running = self.cell.get("msg_id")
+        return running is None or header.get("msg_id") != running
 
     def _keep_late(self, text: str) -> None:
         with self._late_lock:

@@ -11,20 +11,25 @@ import time
 
 from ..core import internals
 from ..core.output import StreamLabeler
-from ..core.ranks import rank_label
-from .printers import Printer
+from ..core.transcript import Item, Transcript
+from .output_files import OutputFiles
+from .printers import Printer, show_items
 
 
 class Cell:
     """One running cell, as ipyparallel reports it: each rank's message future resolves on
     its reply, and its iopub callbacks (the hook ``AsyncResult.stream_output`` uses) fire
-    on every output message, on the client's IO thread. The callbacks keep the text of each
-    stream message as it comes (ipyparallel's accumulated copy is rewritten on ``\\r``, so
-    it can shrink, and cannot be diffed) and wake the cell's thread, which shows it: rank
-    labels, progress lines updated in place, ``--collapse`` and the line cap
-    (``StreamLabeler``). Rich outputs are read from ipyparallel's per-message metadata."""
+    on every output message, on the client's IO thread. The callbacks queue each rank's
+    messages in order (stream text, displays, clear_output, update_display_data), write
+    its text to its file (OutputFiles), and empty ipyparallel's own copy, which would grow
+    without end and rescan it on every ``\\r``; the cell's thread shows what was queued:
+    rank labels, progress lines updated in place, the line cap (``StreamLabeler``), each
+    rank's part kept in a ``Transcript``. When the cell ends (``render_final``), or a rank
+    cleared or updated its output, the cell's output is shown again from the transcript,
+    in rank order."""
 
     LIVE_EVERY_S = 0.1  # a display updated in place at most this often
+    REPLAY_EVERY_S = 0.25  # a rank's clear_output or update_display shown at most this often
     # After the replies, output is waited for until no message came for this long. Each
     # rank's idle status ends it at once; the wait runs out only for an engine that went
     # silent after its reply. 2 s lost a rank's last line on a loaded machine.
@@ -35,19 +40,31 @@ class Cell:
     # the idle status can trail the reply by more than the quiet window.
     TRAILING_ALIVE_MAX_S = 120.0
 
-    def __init__(self, ar, targets: list[int], labeler: StreamLabeler, printer: Printer):
+    def __init__(
+        self,
+        ar,
+        targets: list[int],
+        labeler: StreamLabeler,
+        printer: Printer,
+        files: OutputFiles | None = None,
+    ):
         internals.require(ar, ("_children",), "ipyparallel", "AsyncResult: one future per rank")
         for f in ar._children:
             internals.require(f, ("iopub_callbacks", "output"), "ipyparallel", "MessageFuture")
         self.ar, self.targets, self.labeler, self.printer = ar, targets, labeler, printer
+        self.files = files or OutputFiles(None, targets, "")
+        labeler.full_text_at.update(self.files.paths())
         self.futures = dict(zip(targets, ar._children))
-        self.shown = {r: 0 for r in targets}  # rich outputs displayed so far, per rank
+        self.transcript = Transcript(targets)
+        self.shown: list[Item] = []  # what the cell's output shows now, in order
         self.changed = threading.Event()
         self.dirty = set(targets)  # ranks with output not looked at yet
-        self._text = {r: {"stdout": [], "stderr": []} for r in targets}  # arrived, not shown
+        self._events: dict[int, list[tuple]] = {r: [] for r in targets}  # arrived, not shown
         self._snapshot: dict[int, dict | None] = {}
         self._live_at = 0.0
         self._live_text = ""
+        self._replay_wanted = False
+        self._replayed_at = 0.0
         self._dirty_lock = threading.Lock()
         self.heard_at = time.monotonic()  # when the last output message arrived
         self._callbacks = {}
@@ -62,26 +79,44 @@ class Cell:
     def _take_snapshot(self, rank: int) -> None:
         """What the rank wrote before we listened, from ipyparallel's copy."""
         md = self.metadata(rank)
-        self._snapshot[rank] = {name: md.get(name) for name in ("stdout", "stderr")}
-        for name, text in self._snapshot[rank].items():
-            if text:
-                self._text[rank][name].append(text)
+        snap = {name: md.get(name) for name in ("stdout", "stderr")}
+        snap["outputs"] = list(md.get("outputs") or [])
+        self._snapshot[rank] = snap
+        for name in ("stdout", "stderr"):
+            if snap[name]:
+                self._text_came(rank, name, snap[name])
+        for output in snap["outputs"]:
+            self._events[rank].append(("rich", output))
 
     def _on_message(self, rank: int, msg: dict) -> None:
         self.heard_at = time.monotonic()
+        kind = msg.get("header", {}).get("msg_type")
+        content = msg.get("content", {})
         with self._dirty_lock:
             snapshot = self._snapshot.pop(rank, None)
-            content = msg.get("content", {})
-            if msg.get("header", {}).get("msg_type") == "stream":
-                name = content.get("name")
-                # ipyparallel updates its copy before the callbacks run, on one thread: only
-                # the first message after we listened can be in the snapshot already, and
-                # then its copy is still the very string the snapshot took.
-                seen = snapshot is not None and self.metadata(rank).get(name) is snapshot[name]
-                if name in self._text[rank] and not seen:
-                    self._text[rank][name].append(content.get("text", ""))
+            md = self.metadata(rank)
+            # ipyparallel updates its copy before the callbacks run, on one thread: only
+            # the first message after we listened can be in the snapshot already, and then
+            # its copy is still the very object the snapshot took.
+            if kind == "stream" and content.get("name") in ("stdout", "stderr"):
+                name = content["name"]
+                if not (snapshot is not None and md.get(name) is snapshot[name]):
+                    self._text_came(rank, name, content.get("text", ""))
+                md[name] = ""  # ours is the copy: theirs grows and is rescanned on each \r
+            elif kind == "display_data":
+                if not (snapshot is not None and any(o is content for o in snapshot["outputs"])):
+                    self._events[rank].append(("rich", content))
+                md["outputs"] = []
+            elif kind == "clear_output":
+                self._events[rank].append(("clear", bool(content.get("wait"))))
+            elif kind == "update_display_data":
+                self._events[rank].append(("update", content))
             self.dirty.add(rank)
         self.changed.set()
+
+    def _text_came(self, rank: int, name: str, text: str) -> None:
+        self.files.write(rank, name, text)
+        self._events[rank].append(("text", name, text))
 
     def wait_for_trailing_output(self, alive=None) -> None:
         """iopub trails the replies: wait for each replied rank's output to end (its idle
@@ -125,26 +160,106 @@ class Cell:
         return self.futures[rank].output.metadata
 
     def show(self, final: bool) -> None:
-        """Print what the ranks wrote since the last call, labeled; refresh live lines."""
+        """Show what the ranks wrote since the last call, labeled; refresh live lines, and
+        the whole output when a rank cleared or updated its part."""
         if final:
             self.detach(final=True)  # before taking the text: nothing comes in after
         with self._dirty_lock:  # a message arriving after this is shown next time
             ranks = self.targets if final else sorted(self.dirty)
             self.dirty = set()
-            new = {name: {r: self._take(r, name) for r in ranks} for name in ("stdout", "stderr")}
-        self.printer.out(self.labeler.feed("stdout", new["stdout"], final))
-        self.printer.err(self.labeler.feed("stderr", new["stderr"], final))
+            events = {r: self._events[r] for r in ranks}
+            for r in ranks:
+                self._events[r] = []
+        fresh = {r: self._apply(r, events[r], final) for r in ranks}
+        self._replay_wanted |= self.transcript.take_changed()
+        if self._replay_wanted and self._can_replay():
+            # the new items are in the transcript: the replay (or render_final) shows them
+            if not final and time.monotonic() - self._replayed_at >= self.REPLAY_EVERY_S:
+                self._replay()
+        else:
+            self._replay_wanted = False  # a printer that cannot: output is only added to
+            self._emit(self._live_items(fresh))
         self._show_live(final)
-        for r in ranks:
-            outputs = self.metadata(r)["outputs"]
-            for output in outputs[self.shown[r] :]:
-                self.printer.display(rank_label([r]), output)
-            self.shown[r] = len(outputs)
 
-    def _take(self, rank: int, name: str) -> str:
-        pieces = self._text[rank][name]
-        self._text[rank][name] = []
-        return "".join(pieces)
+    def _apply(self, rank: int, events: list[tuple], final: bool) -> list[Item]:
+        """Put one rank's queued messages into its transcript; the items new to show."""
+        items: list[Item] = []
+        for event in events:
+            if event[0] == "text":
+                _, stream, text = event
+                items += self._lines(rank, stream, self.labeler.complete(rank, stream, text))
+            elif event[0] == "rich":
+                self.transcript.add_rich(rank, event[1])
+                items.append(Item((rank,), "rich", event[1]))
+            elif event[0] == "clear":
+                self.transcript.clear(rank, wait=event[1])
+            elif event[0] == "update":
+                content = event[1]
+                display_id = (content.get("transient") or {}).get("display_id")
+                self.transcript.update_display(rank, display_id, content)
+        if final:
+            for stream in ("stdout", "stderr"):
+                items += self._lines(rank, stream, self.labeler.complete(rank, stream, "", True))
+        return items
+
+    def _lines(self, rank: int, stream: str, text: str) -> list[Item]:
+        if not text:
+            return []
+        self.transcript.add_text(rank, stream, text)
+        return [Item((rank,), stream, line) for line in text.splitlines()]
+
+    def _live_items(self, fresh: dict[int, list[Item]]) -> list[Item]:
+        """This call's new items in rank order; with --collapse, ranks whose new lines are
+        the very same shown once (the cell's end merges the rest, see render_final)."""
+        if not self.labeler.collapse:
+            return [item for r in sorted(fresh) for item in fresh[r]]
+        groups: dict[tuple, list[int]] = {}
+        for r in sorted(fresh):
+            if fresh[r]:
+                key = tuple((i.kind, repr(i.payload)) for i in fresh[r])
+                groups.setdefault(key, []).append(r)
+        return [
+            Item(tuple(ranks), item.kind, item.payload)
+            for ranks in groups.values()
+            for item in fresh[ranks[0]]
+        ]
+
+    def note(self, rank: int, text: str) -> None:
+        """The kernel's own words about one rank (a traceback shown as it came, a stuck
+        rank's stack), labeled already: shown now, and kept in its place in the output."""
+        self.transcript.add_note(rank, text)
+        self._emit([Item((rank,), "note", text)])
+
+    def _emit(self, items: list[Item]) -> None:
+        if items:
+            show_items(self.printer, items)
+            self.shown += items
+
+    def _can_replay(self) -> bool:
+        return getattr(self.printer, "can_replay", lambda: False)()
+
+    def _replay(self) -> bool:
+        """Show the whole output again from the transcript, in place of what is shown."""
+        items = self.transcript.render(self.labeler.collapse)
+        self._replay_wanted, self._replayed_at = False, time.monotonic()
+        if not self._can_replay():
+            return False
+        self.printer.replay(items)
+        self.shown = items
+        self._live_text = ""  # the live display went with the rest
+        return True
+
+    def render_final(self) -> None:
+        """Once every rank's output is in: the cell's output in rank order, identical
+        warnings (and with --collapse, identical lines) merged; left as is when that is
+        what shows already."""
+        items = self.transcript.render(self.labeler.collapse)
+        if items != self.shown:
+            self._replay()
+        self.files.close()
+
+    def tail(self, rank: int, stream: str) -> str:
+        return self.files.tail(rank, stream)
 
     def _show_live(self, final: bool) -> None:
         """Progress lines (rewritten with \\r) in one display updated in place, a line per

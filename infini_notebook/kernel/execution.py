@@ -25,6 +25,7 @@ from ..core.state import CellResult
 from ..launch.client import CONTROLLER_GONE
 from . import supervision
 from .cell import Cell
+from .output_files import OutputFiles
 from .wait_watch import WaitWatch
 
 INTERRUPT_GRACE_S = 3.0
@@ -45,11 +46,13 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
+    name = _cell_name()
+    files = OutputFiles(s.folder.path if s.folder else None, targets, name)
     t0 = time.perf_counter()
     with s.engines.client.lock:
-        ar = s.engines.view(targets).execute(code, silent=False, block=False)
-    cell = Cell(ar, targets, labeler, printer)
-    watch = WaitWatch(s, cell, _cell_name())
+        ar = _execute(s.engines.view(targets), code, name)
+    cell = Cell(ar, targets, labeler, printer, files)
+    watch = WaitWatch(s, cell, name)
     s.book.set_busy(targets, True)
     try:
         try:
@@ -73,6 +76,15 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     return result
 
 
+def _execute(view, code: str, name: str):
+    """Send the cell; its label (ipyparallel 9's execute metadata) tells the ranks the
+    notebook's name for it, ``In[7]`` (see engine/cell_names.py)."""
+    try:
+        return view.execute(code, silent=False, block=False, label=name or None)
+    except TypeError:  # ipyparallel 8: no labels; the ranks use their own cell numbers
+        return view.execute(code, silent=False, block=False)
+
+
 def refuse_stuck(s, targets: list[int]) -> None:
     """A rank still running an earlier cell (one that ignored an interrupt, or a wait that
     could not be released) would queue this one behind it, and ipykernel then aborts it."""
@@ -92,7 +104,11 @@ def _cell_name() -> str:
         ip = get_ipython()
     except ImportError:
         return ""
-    return f"In[{ip.execution_count}]" if ip is not None else ""
+    if ip is None:
+        return ""
+    # IPython counts the running cell before running it (run_cell_async): its own number
+    # is one less, as the notebook shows it and the displayhook names its Out[]
+    return f"In[{ip.execution_count - 1}]"
 
 
 def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) -> list[int]:
@@ -150,8 +166,8 @@ def give_up_stuck(s, cell: Cell, stuck: list[int]) -> None:
     next cell on them is refused (refuse_stuck) until they finish."""
     s.book.add_stuck(stuck)
     stacks = supervision.stacks(s, stuck)
-    report = "".join(f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck)
-    cell.printer.err(report)
+    for r in stuck:
+        cell.note(r, f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n")
 
 
 def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellResult:
@@ -160,12 +176,13 @@ def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellRes
     live, and those of ranks whose wait was released (their peer left), are not repeated."""
     cell.wait_for_trailing_output(alive)
     cell.show(final=True)
+    cell.render_final()
     result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}
     for r in cell.targets:
         md = cell.metadata(r)
-        result.stdout[r] = md["stdout"]
-        result.stderr[r] = md["stderr"]
+        result.stdout[r] = cell.tail(r, "stdout")
+        result.stderr[r] = cell.tail(r, "stderr")
         if not cell.done(r):
             gone = watch.gone.get(r)
             result.errors[r] = "EngineError: its engine stopped" if gone else "still running"

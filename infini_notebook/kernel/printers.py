@@ -7,11 +7,14 @@ import sys
 from typing import Protocol
 
 from ..core.output import prefix_lines
+from ..core.ranks import rank_label
+from ..core.transcript import TEXT_KINDS, Item
 
 
 class Printer(Protocol):
     """Where a cell's labeled output goes. A printer may also have ``live(text)``: lines
-    shown in place of the previous call's (progress lines, see ``Cell._show_live``)."""
+    shown in place of the previous call's (progress lines, see ``Cell._show_live``), and
+    ``can_replay()``/``replay(items)``: everything it showed for the cell, replaced."""
 
     def out(self, text: str) -> None: ...
     def err(self, text: str) -> None: ...
@@ -19,12 +22,55 @@ class Printer(Protocol):
     def status(self, text: str, handle=None): ...  # optional: a line updated in place
 
 
-class TextPrinter:
-    """The running cell's streams and IPython's display publisher."""
+def show_items(printer: Printer, items: list[Item]) -> None:
+    """Write ``items`` (see core/transcript.py), a stream's consecutive lines at once."""
+    kind, batch = None, []
 
-    def __init__(self, echo: bool):
-        self.echo = echo
+    def flush() -> None:
+        if batch:
+            (printer.out if kind == "stdout" else printer.err)("".join(batch))
+            batch.clear()
+
+    for item in items:
+        if item.kind in TEXT_KINDS:
+            if item.kind != kind:
+                flush()
+                kind = item.kind
+            batch.append(f"{rank_label(item.ranks)} {item.payload}\n")
+            continue
+        flush()
+        if item.kind == "note":
+            printer.err(item.payload)
+        else:
+            printer.display(rank_label(item.ranks), item.payload)
+    flush()
+
+
+class TextPrinter:
+    """The running cell's streams and IPython's display publisher. ``owns_cell``: the
+    whole cell is this printer's (``%%dist``), so at the cell's end it may clear the
+    cell's output and show it again in rank order; ``session.run`` in a cell of the
+    user's may share it with other output, and only adds to it."""
+
+    def __init__(self, echo: bool, owns_cell: bool = False):
+        self.echo, self.owns_cell = echo, owns_cell
         self._live = None  # the display of this cell's progress lines, once there are some
+
+    def can_replay(self) -> bool:
+        if not (self.echo and self.owns_cell):
+            return False
+        from IPython import get_ipython
+
+        return getattr(get_ipython(), "kernel", None) is not None
+
+    def replay(self, items: list[Item]) -> None:
+        """The cell's output replaced by ``items``: cleared when the first of them comes
+        (``wait``: no blank moment in between), which also ends the live display."""
+        from IPython.display import clear_output
+
+        clear_output(wait=True)
+        self._live = None
+        show_items(self, items)
 
     def out(self, text: str) -> None:
         if self.echo and text:

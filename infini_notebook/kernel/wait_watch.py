@@ -136,7 +136,7 @@ class WaitWatch:
             return
         for r in sorted(due):
             reply = self.cell.futures[r].result()
-            self.cell.printer.err(f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
+            self.cell.note(r, f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
             self.shown_live.add(r)
             del self.unshown[r]
 

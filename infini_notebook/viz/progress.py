@@ -44,6 +44,15 @@ class OutputPrinter:
             self.err(f"{text}\n")
         return True
 
+    def can_replay(self) -> bool:
+        return True  # the widget is this cell's alone
+
+    def replay(self, items) -> None:
+        from ..kernel.printers import show_items
+
+        self.widget.clear_output(wait=True)
+        show_items(self, items)
+
     def display(self, label: str, output: dict) -> None:
         data = output.get("data", {})
         if set(data) == {"text/plain"}:
