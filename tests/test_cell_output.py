@@ -143,6 +143,7 @@ def test_a_200_mb_flood_keeps_the_kernel_small_and_its_file_keeps_every_line(ran
     assert len(mine) == lines and nums[-1] == lines - 1, (len(mine), nums[:1], nums[-1:], gaps)
     tail = text_of(ranks4.run("print(dist_session.last.stdout[1].splitlines()[-1][:6])"))
     assert tail.strip() == f"{lines - 1:06d}"
-    assert os.path.dirname(os.path.dirname(path)) == text_of(
-        ranks4.run("print(dist_session.folder.path)")
-    ).strip()
+    assert (
+        os.path.dirname(os.path.dirname(path))
+        == text_of(ranks4.run("print(dist_session.folder.path)")).strip()
+    )

@@ -145,7 +145,9 @@ def _set_environment(cfg: dict) -> None:
     env = engine_environment(cfg)
     iface = _loopback_interface() if cfg.get("loopback_only") else None
     env.update(backend_defaults(os.environ, iface))
-    for key, value in wait_probe.flight_recorder_env().items():
+    from importlib.metadata import version  # torch is not imported yet: it reads these then
+
+    for key, value in wait_probe.flight_recorder_env(version("torch")).items():
         env.setdefault(key, os.environ.get(key, value))  # a user's own setting stays
     os.environ.update(env)
     _STATE["cfg"] = cfg

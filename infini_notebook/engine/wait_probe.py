@@ -34,9 +34,15 @@ _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _CELL_FILE_MARKS = ("ipykernel_", "<ipython-input-")
 
 
-def flight_recorder_env() -> dict[str, str]:
-    """Variables that turn the Flight Recorder on (both names: older torch reads the NCCL one)."""
+def flight_recorder_env(torch_version: str) -> dict[str, str]:
+    """Variables that turn the Flight Recorder on. torch 2.11 and 2.13 read TORCH_FR_BUFFER_SIZE
+    and warn on the old NCCL name (FlightRecorder.hpp: getCvarInt({"TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE"})), a C++ warning every rank printed at its first group;
+    torch before 2.10 reads only the old name."""
     n = str(FLIGHT_RECORDER_ENTRIES)
+    major, minor = (int(p) for p in torch_version.split(".")[:2])
+    if (major, minor) >= (2, 10):
+        return {"TORCH_FR_BUFFER_SIZE": n}
     return {"TORCH_FR_BUFFER_SIZE": n, "TORCH_NCCL_TRACE_BUFFER_SIZE": n}
 
 

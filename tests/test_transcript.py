@@ -1,0 +1,74 @@
+"""The cell's output rendered from each rank's part (core/transcript.py, pure): rank order,
+identical warnings once, --collapse by place, clear_output and update_display per rank."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infini_notebook.core.transcript import Item, Transcript
+
+WARNING = "In[7]:2: FutureWarning: old api\n  warnings.warn('old api', FutureWarning)\n"
+
+
+def shown(items: list[Item]) -> list[tuple]:
+    return [(i.ranks, i.kind, i.payload) for i in items]
+
+
+@given(st.permutations([(r, k) for r in range(3) for k in range(3)]))
+def test_rank_order_does_not_depend_on_arrival_order(arrivals):
+    t = Transcript([0, 1, 2])
+    for rank, k in sorted(arrivals, key=lambda a: a[1]):  # each rank's own order kept
+        t.add_text(rank, "stdout", f"line {k} of {rank}\n")
+    assert [i.payload for i in t.render()] == [
+        f"line {k} of {r}" for r in range(3) for k in range(3)
+    ]
+
+
+def test_an_identical_warning_is_one_block_for_its_ranks_at_the_first_ranks_place():
+    t = Transcript([0, 1, 2])
+    for r in (2, 0, 1):
+        t.add_text(r, "stdout", f"before {r}\n")
+        t.add_text(r, "stderr", WARNING)
+    t.add_text(1, "stderr", "In[7]:3: UserWarning: only here\n")
+    assert shown(t.render()) == [
+        ((0,), "stdout", "before 0"),
+        ((0, 1, 2), "stderr", "In[7]:2: FutureWarning: old api"),
+        ((0, 1, 2), "stderr", "  warnings.warn('old api', FutureWarning)"),
+        ((1,), "stdout", "before 1"),
+        ((1,), "stderr", "In[7]:3: UserWarning: only here"),
+        ((2,), "stdout", "before 2"),
+    ]
+
+
+def test_collapse_merges_identical_lines_by_place_and_keeps_the_rest_apart():
+    t = Transcript([0, 1, 2, 3])
+    for r in range(4):
+        t.add_text(r, "stdout", f"step 4 gradients match: True\nloss {r}\n")
+    assert shown(t.render(collapse=True)) == [
+        ((0, 1, 2, 3), "stdout", "step 4 gradients match: True"),
+    ] + [((r,), "stdout", f"loss {r}") for r in range(4)]
+
+
+def test_clear_with_wait_empties_a_rank_at_its_next_output_only():
+    t = Transcript([0, 1])
+    t.add_text(0, "stdout", "frame 0\n")
+    t.add_text(1, "stdout", "frame 0\n")
+    t.clear(0, wait=True)
+    assert not t.take_changed()  # nothing gone yet: Jupyter's wait=True
+    t.add_text(0, "stdout", "frame 1\n")
+    assert t.take_changed() and not t.take_changed()
+    assert [i.payload for i in t.render()] == ["frame 1", "frame 0"]
+    t.clear(1, wait=False)
+    assert t.take_changed() and [i.payload for i in t.render()] == ["frame 1"]
+
+
+def test_update_display_replaces_only_that_ranks_display_with_that_id():
+    t = Transcript([0, 1])
+    for r in (0, 1):
+        t.add_rich(r, {"data": {"text/html": "v0"}, "transient": {"display_id": "d"}})
+    t.update_display(1, "d", {"data": {"text/html": "v1"}, "transient": {"display_id": "d"}})
+    assert t.take_changed()
+    assert [i.payload["data"]["text/html"] for i in t.render()] == ["v0", "v1"]
+    t.update_display(0, "other", {"data": {"text/html": "x"}})
+    assert not t.take_changed()
