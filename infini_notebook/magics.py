@@ -59,6 +59,13 @@ def _start_arguments(magic):
     return magic
 
 
+COLLAPSE_HELP = (
+    "merge identical lines at the same place in each rank's output, however far apart they "
+    "came, into one '[ranks 0-3] ...' line (identical warnings merge always)"
+)
+MAX_LINES_HELP = "lines shown per rank and stream (2000); all are in the session's output/"
+
+
 @magics_class
 class DistMagics(Magics):
     @magic_arguments()
@@ -83,8 +90,8 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")
     @argument("--where", default=None, help="ranks at these layout coordinates: pp=0,tp=1")
-    @argument("--collapse", action="store_true", help="show identical output once for many ranks")
-    @argument("--max-lines", type=int, default=None, help="cap on lines shown per rank")
+    @argument("--collapse", action="store_true", help=COLLAPSE_HELP)
+    @argument("--max-lines", type=int, default=None, help=MAX_LINES_HELP)
     @argument(
         "--background",
         action="store_true",
@@ -95,35 +102,23 @@ class DistMagics(Magics):
     def dist(self, line: str, cell: str):
         """Run the cell on every rank (or a subset) at once; output is labeled [rank N].
 
-        If any rank raises, the cell fails with each rank's traceback labeled.
+        Output shows as it comes, then again in rank order when the cell ends. If any rank
+        raises, the cell fails with each rank's traceback labeled.
         """
         args = parse_argstring(self.dist, line)
         session = _session()
-        ranks, where = args.ranks, args.where
+        kw = dict(where=args.where, collapse=args.collapse, max_lines=args.max_lines)
         if args.background:
             from IPython.display import display
 
             from . import viz
 
-            printer = viz.OutputPrinter()
-            session.run_background(  # refuses before the widget shows, if it must
-                cell,
-                ranks,
-                printer=printer,
-                where=where,
-                collapse=args.collapse,
-                max_lines=args.max_lines,
-            )
+            printer = viz.OutputPrinter()  # refused before the widget shows, if it must be
+            session.run_background(cell, args.ranks, printer=printer, **kw)
             display(printer.widget)
             return
-        session.run(
-            cell,
-            ranks,
-            where=where,
-            collapse=args.collapse,
-            max_lines=args.max_lines,
-            printer=TextPrinter(echo=True, owns_cell=True),  # shown again in rank order
-        )
+        # the cell is all ours: its output is shown again in rank order at its end
+        session.run(cell, args.ranks, printer=TextPrinter(echo=True, owns_cell=True), **kw)
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")

@@ -47,7 +47,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     if max_lines:
         labeler.max_lines = max_lines
     name = _cell_name()
-    files = OutputFiles(s.folder.path if s.folder else None, targets, name)
+    files = OutputFiles(s.folder.file("output"), targets, name)
     t0 = time.perf_counter()
     with s.engines.client.lock:
         ar = _execute(s.engines.view(targets), code, name)

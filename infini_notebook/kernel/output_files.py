@@ -25,8 +25,8 @@ _malloc_tuned: list[bool] = []
 class OutputFiles:
     """One cell's output: its files (if the session has a folder) and bounded tails."""
 
-    def __init__(self, folder: str | None, ranks: list[int], cell_name: str):
-        self.dir = os.path.join(folder, "output") if folder else None
+    def __init__(self, dir: str | None, ranks: list[int], cell_name: str):
+        self.dir = dir
         self.cell_name = cell_name or "a cell"
         self._files: dict[tuple[int, str], object] = {}
         self._tails = {(r, s): _Tail() for r in ranks for s in ("stdout", "stderr")}
