@@ -72,3 +72,23 @@ def test_update_display_replaces_only_that_ranks_display_with_that_id():
     assert [i.payload["data"]["text/html"] for i in t.render()] == ["v0", "v1"]
     t.update_display(0, "other", {"data": {"text/html": "x"}})
     assert not t.take_changed()
+
+
+def reference_write(line, chunk: str) -> None:
+    """The carriage-return rule one part at a time (what OpenLine.write does in one pass)."""
+    for i, part in enumerate(chunk.split("\r")):
+        if i:
+            line.returned = line.live = True
+        if part:
+            line.text, line.returned = (part, False) if line.returned else (line.text + part, False)
+
+
+@given(st.lists(st.text(alphabet="ab\r", max_size=8), max_size=6))
+def test_an_open_line_applies_carriage_returns_as_one_part_at_a_time_would(chunks):
+    from infini_notebook.core.output import OpenLine
+
+    fast, slow = OpenLine(), OpenLine()
+    for chunk in chunks:
+        fast.write(chunk)
+        reference_write(slow, chunk)
+        assert (fast.text, fast.returned, fast.live) == (slow.text, slow.returned, slow.live)

@@ -28,25 +28,38 @@ class OpenLine:
     live: bool = False  # it was rewritten at least once (a progress line)
 
     def write(self, chunk: str) -> None:
-        """Add text holding no newline."""
-        for i, part in enumerate(chunk.split("\r")):
-            if i:
-                self.returned = self.live = True
-            if not part:
-                continue
+        """Add text holding no newline. Linear in the chunk: of many rewrites in one chunk
+        (a progress bar's updates), only the last that holds text matters."""
+        head, returned, rest = chunk.partition("\r")
+        if head:
             if self.returned:
-                self.text, self.returned = part, False
+                self.text, self.returned = head, False
             else:
-                self.text += part
+                self.text += head
+        if not returned:
+            return
+        self.live = True
+        parts = rest.split("\r")
+        if parts[-1]:
+            self.text, self.returned = parts[-1], False
+            return
+        self.returned = True
+        for part in reversed(parts[:-1]):
+            if part:
+                self.text = part
+                break
 
 
 def settle(text: str) -> str:
     """``text`` with each line's carriage returns applied: what a reader sees at the end."""
-    lines = []
-    for raw in text.split("\n"):
-        line = OpenLine()
-        line.write(raw)
-        lines.append(line.text)
+    if "\r" not in text:
+        return text
+    lines = text.split("\n")
+    for i, raw in enumerate(lines):
+        if "\r" in raw:
+            line = OpenLine()
+            line.write(raw)
+            lines[i] = line.text
     return "\n".join(lines)
 
 
@@ -74,6 +87,8 @@ class StreamLabeler:
         """The complete lines (unlabeled, capped) that ``text`` ends for one rank's stream;
         ``final`` also ends its unfinished line."""
         key = (rank, stream)
+        if key in self.capped:  # nothing more is shown this cell: the file has it all
+            return ""
         done = self._complete_lines(key, text)
         line = self._open.get(key)
         if final and line is not None:
@@ -94,6 +109,10 @@ class StreamLabeler:
     def _complete_lines(self, key: tuple, text: str) -> list[str]:
         """Write ``text`` into the rank's open line; return the lines it ended."""
         parts = text.split("\n")
+        if "\r" not in text and key not in self._open:  # plain lines: nothing to apply
+            if parts[-1]:
+                self._open[key] = OpenLine(parts[-1])
+            return parts[:-1]
         done = []
         for part in parts[:-1]:
             line = self._open.pop(key, None) or OpenLine()

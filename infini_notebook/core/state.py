@@ -33,7 +33,8 @@ class RankState:
 
 @dataclass
 class CellResult:
-    """Everything one ``run`` produced, per rank (kept whole, even when display was capped)."""
+    """Everything one ``run`` produced, per rank: stdout and stderr are the last MB of each
+    (every line is in the session folder's output/rankN.stdout, see kernel/output_files.py)."""
 
     ranks: list[int]
     stdout: dict[int, str] = field(default_factory=dict)

@@ -63,7 +63,7 @@ class Pipe:
                 self.seen += len(text) - len(rest)
                 self.marks.notify_all()
             return len(text)
-        if me != self.cell.get("thread") and self._for_ended_cell():
+        if me != self.cell.get("thread") and self._for_ended_cell(me):
             self._keep_late(text)
             return len(text)
         return self.write(text)
@@ -87,13 +87,16 @@ class Pipe:
                 lambda: self.seen >= self.sent, max(0.0, deadline - time.monotonic())
             )
 
-    def _for_ended_cell(self) -> bool:
+    def _for_ended_cell(self, me: int) -> bool:
         """Whether text from a thread other than the cell's would go to a request that is
         not the running cell: a cell that ended, or a pull, push or bench (apply requests,
-        whose output no cell shows), or nothing, between requests."""
+        whose output no cell shows), or nothing, between requests. The main thread's own
+        text during such a request is the request's (the bootstrap's, a pull's)."""
         header = self.stream.parent_header  # the request this thread's text would go to
         running = self.cell.get("msg_id")
-        return running is None or header.get("msg_id") != running
+        if running is None:
+            return me != threading.main_thread().ident
+        return header.get("msg_id") != running
 
     def _keep_late(self, text: str) -> None:
         with self._late_lock:

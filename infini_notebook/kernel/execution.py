@@ -67,6 +67,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
         result = collect(cell, time.perf_counter() - t0, watch, supervision.liveness(s))
     finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
         s.engines.client.forget(ar.msg_ids)
+        files.close()
     s.last = result
     if result.errors:
         error = cell_error(s, result, targets, watch)

@@ -48,18 +48,21 @@ class OutputFiles:
         self._tails[(rank, stream)].add(text)
         f = self._file(rank, stream)
         if f is not None:
-            f.write(text)
+            try:
+                f.write(text)
+            except (OSError, ValueError):  # a full disk, or closed after an interrupt
+                self._files[(rank, stream)] = None
 
     def _file(self, rank: int, stream: str):
         key = (rank, stream)
-        if key not in self._files:
+        if key not in self._files and self.dir:
             try:
                 f = open(self.path(rank, stream), "a", encoding="utf-8", errors="replace")
                 f.write(f"\n===== {self.cell_name} =====\n")
             except (OSError, TypeError):  # no folder, or it went with a stopped session
                 f = None
             self._files[key] = f
-        return self._files[key]
+        return self._files.get(key)
 
     def tail(self, rank: int, stream: str) -> str:
         """The last TAIL_CHARS the rank wrote, carriage returns applied (as ipyparallel's
@@ -67,12 +70,14 @@ class OutputFiles:
         return settle(self._tails[(rank, stream)].text())
 
     def close(self) -> None:
-        for f in self._files.values():
+        """Flush and close; text still trailing (a rank that ignored a Stop) is not kept."""
+        for key, f in self._files.items():
             if f is not None:
                 try:
                     f.close()
                 except OSError:
                     pass
+            self._files[key] = None
 
 
 def _fix_mmap_threshold() -> bool:
