@@ -105,6 +105,10 @@ class DistMagics(Magics):
         Output shows as it comes, then again in rank order when the cell ends. If any rank
         raises, the cell fails with each rank's traceback labeled.
         """
+        self._dist(line, cell)
+
+    def _dist(self, line: str, cell: str, preamble: str = "") -> None:
+        """%%dist; ``preamble``: what the cell printed before (kept when it is shown again)."""
         args = parse_argstring(self.dist, line)
         session = _session()
         kw = dict(where=args.where, collapse=args.collapse, max_lines=args.max_lines)
@@ -118,7 +122,8 @@ class DistMagics(Magics):
             display(printer.widget)
             return
         # the cell is all ours: its output is shown again in rank order at its end
-        session.run(cell, args.ranks, printer=TextPrinter(echo=True, owns_cell=True), **kw)
+        printer = TextPrinter(echo=True, owns_cell=True, preamble=preamble)
+        session.run(cell, args.ranks, printer=printer, **kw)
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all busy)")
@@ -418,7 +423,7 @@ class DistMagics(Magics):
                 "%dist_start --nprocs 4."
             )
         print(AUTO_MARKER, flush=True)
-        self.dist("", cell)
+        self._dist("", cell, preamble=f"{AUTO_MARKER}\n")
 
     # ----- post-mortem --------------------------------------------------------------------
     @magic_arguments()

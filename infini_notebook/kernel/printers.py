@@ -52,8 +52,9 @@ class TextPrinter:
     cell's output and show it again in rank order; ``session.run`` in a cell of the
     user's may share it with other output, and only adds to it."""
 
-    def __init__(self, echo: bool, owns_cell: bool = False):
+    def __init__(self, echo: bool, owns_cell: bool = False, preamble: str = ""):
         self.echo, self.owns_cell = echo, owns_cell
+        self.preamble = preamble  # printed before the cell ran (auto mode's marker): kept
         self._live = None  # the display of this cell's progress lines, once there are some
 
     def can_replay(self) -> bool:
@@ -70,6 +71,7 @@ class TextPrinter:
 
         clear_output(wait=True)
         self._live = None
+        self.out(self.preamble)
         show_items(self, items)
 
     def out(self, text: str) -> None:
