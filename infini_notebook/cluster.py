@@ -32,6 +32,7 @@ from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
 from .launch.rendezvous import Rendezvous
 
+HARD_FIX = "%dist_restart --hard"
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
 log = logging.getLogger("infini_notebook")
@@ -201,10 +202,14 @@ class Session:
             pass
 
     # ----- recovery -----------------------------------------------------------------------
-    def restart(self, hard: bool = False, progress: Progress | None = None) -> None:
+    def restart(
+        self, hard: bool = False, progress: Progress | None = None, after_failure: bool = False
+    ) -> None:
         """Soft: new process groups under a fresh store prefix on the same engines, keeping
         every variable. Hard: new engines (variables are lost). A soft restart that cannot
-        work (a rank is dead, or stuck in native code) says so and names --hard."""
+        work (a rank is dead, or stuck in native code) says so and names --hard; one that
+        failed half way leaves the groups marked not whole. ``after_failure``: the automatic
+        rebuild after a failed cell (the status then says so)."""
         if self.engines.client.cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
         # A hard restart may end a background cell that was told to stop and did not.
@@ -234,11 +239,15 @@ class Session:
         try:
             infos = self.engines.client.gather(pending, what="restart", timeout=60)
         except DistCellError as e:
+            self.book.groups_broken(f"a rebuild failed half way ({e.summary})", HARD_FIX)
             raise DistCellError(
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
         self.book.record(startup.rank_table(self.plan, self.engines, infos))
-        self.book.restarted(hard=False)
+        if after_failure:
+            self.book.groups_rebuilt()
+        else:
+            self.book.restarted(hard=False)
 
     def _restart_hard(self, progress: Progress | None) -> None:
         """New engines; if they cannot come up, stop everything rather than leave half a
@@ -358,11 +367,15 @@ class Session:
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a namespace variable, tensors moved to CPU (through shared
         memory from ranks on this host: see transfer.py)."""
-        return transfer.pull(self, name, self._targets_for("pull_value", ranks))
+        targets = self._targets_for("pull_value", ranks)
+        self.require_whole()
+        return transfer.pull(self, name, targets)
 
     def push(self, values: dict, ranks: str | list[int] | None = None) -> None:
         """Set variables in the ranks' namespaces."""
-        transfer.push(self, values, self._targets_for("push_values", ranks))
+        targets = self._targets_for("push_values", ranks)
+        self.require_whole()
+        transfer.push(self, values, targets)
 
     def post_mortem(
         self, code: str, ranks: str | list[int] | None = None, *, echo: bool = True
@@ -401,6 +414,23 @@ class Session:
     def status(self) -> list[RankState]:
         """Each rank's pid, device and state (idle, busy, error, dead, stuck, stopped)."""
         return supervision.status(self)
+
+    def session_line(self, states: list[RankState] | None = None) -> str:
+        """The session in a line: 'ready', 'rebuilt after a failure on rank 1, variables
+        kept', 'needs %dist_restart --hard: rank 2 died' (from ``states``, a status())."""
+        if not self.running:
+            return "stopped"
+        states = self.status() if states is None else states
+        died = [rs.rank for rs in states if rs.state == "died"]
+        return self.book.session_line(died, [rs.rank for rs in states if rs.state == "stuck"])
+
+    def require_whole(self) -> None:
+        """DistUsageError, one line, while the process groups are not whole (a rebuild
+        refused or half applied, a collective timed out): what is wrong, and the fix."""
+        broken = self.book.broken()
+        if broken is not None:
+            why, fix = broken
+            raise DistUsageError(f"The process groups are not whole: {why}. Run {fix} first.")
 
     def template_rss(self) -> int | None:
         """The warm template's resident memory while it runs (engines fork from it), else

@@ -102,7 +102,7 @@ _PROBE = """\
 from infini_notebook import cluster as _c
 _s = _c.current()
 print(getattr(_s, 'test_flags', None) == {flags!r} and _s.engines.client.controller_running()
-      and all(r.state in ('idle', 'error') for r in _s.status()))
+      and all(r.state in ("idle", "failed") for r in _s.status()) and _s.book.broken() is None)
 del _c, _s"""
 
 
@@ -123,10 +123,11 @@ if _spare is not None:
 def use_session(kernel: KernelCells, flags: str | None, timeout: int = 240) -> None:
     """Make ``kernel`` run a usable session started with ``%dist_start flags`` (None: no
     session), reusing the one a previous test left when it matches, so every test passes
-    alone and in any order without paying for a start each time. A rank in state 'error'
-    (its last cell raised) is usable; a busy, stuck or dead one, or a dead controller
-    (a test that failed after killing it), is not. Returns once the session's spare engines
-    are there: forked while a test runs, they would change the processes it counts."""
+    alone and in any order without paying for a start each time. A rank in state 'failed'
+    (its last cell raised) is usable; a busy, stuck or dead one, groups that are not whole,
+    or a dead controller (a test that failed after killing it) are not. Returns once the
+    session's spare engines are there: forked while a test runs, they would change the
+    processes it counts."""
     if flags is None or text_of(kernel.run(_PROBE.format(flags=flags))).strip() != "True":
         kernel.run("%dist_stop", allow_error=True)
         if flags is None:

@@ -226,7 +226,7 @@ def test_dead_rank_is_named_and_hard_restart_brings_it_back(kernel):
     err = error_text(cell)
     assert "rank 2 died (exit code 7)" in err and "--hard" in err
     assert took < 8
-    assert "dead" in text_of(kernel.run("%dist_status"))
+    assert "died" in text_of(kernel.run("%dist_status"))
     refused = text_of(kernel.run("%dist_restart", allow_error=True))
     assert "--hard" in refused
     cell, took = timed(kernel, "%dist_restart --hard", timeout=180)

@@ -177,7 +177,7 @@ def test_two_host_ssh_session(hosts):
             "import time\nwhile 'busy' in [r.state for r in dist_session.status()]: time.sleep(0.2)"
         )
         k.run("%%dist --ranks 2\nraise ValueError('boom')", allow_error=True)
-        assert states(k) == ["idle", "idle", "error", "idle"]
+        assert states(k) == ["idle", "idle", "failed", "idle"]
         grid = k.run("%dist_groups --color-by dp")
         html = "".join(o.get("data", {}).get("text/html", "") for o in grid.outputs)
         assert "⇄" in html  # dp groups span the two hosts and are marked
@@ -187,7 +187,7 @@ def test_two_host_ssh_session(hosts):
         for ns in hosts.names:  # engines run inside the namespaces
             assert hosts.pids_in(ns) - sshd_pids - _descendants(sshd_pids)
         k.run("%%dist --ranks 3\nimport os\nos._exit(7)", allow_error=True)
-        assert states(k) == ["idle", "idle", "error", "dead"]  # the engine unregistered
+        assert states(k) == ["idle", "idle", "failed", "died"]  # the engine unregistered
         k.run("%dist_stop", timeout=120)
         deadline = time.time() + 20
         while time.time() < deadline:

@@ -41,9 +41,9 @@ def test_busy_ranks_show_busy_and_idle_time_counts_from_the_last_busy_moment():
 def test_a_failed_rank_shows_error_until_a_cell_works_on_it():
     book = book_of(2)
     book.cell_ended([0, 1], failed=[1])
-    assert states(snapshot(book)) == ["idle", "error"]
+    assert states(snapshot(book)) == ["idle", "failed"]
     book.cell_ended([0], failed=())  # a cell on rank 0 only: rank 1 keeps its error
-    assert states(snapshot(book)) == ["idle", "error"]
+    assert states(snapshot(book)) == ["idle", "failed"]
     book.cell_ended([0, 1], failed=())
     assert states(snapshot(book)) == ["idle", "idle"]
 
@@ -66,7 +66,7 @@ def test_states_in_order_of_precedence_and_exit_code_once():
     book.set_busy([1, 2], True)
     book.cell_ended([3], failed=[3])
     rows = snapshot(book, alive=lambda r: r != 0, stuck={2})
-    assert states(rows) == ["dead", "busy", "stuck", "error", "idle"]
+    assert states(rows) == ["died", "busy", "stuck", "failed", "idle"]
     assert rows[0].exit_code == -9
     assert states(snapshot(book, running=False)) == ["stopped"] * 5
 
@@ -86,3 +86,31 @@ def test_a_kept_status_row_does_not_change_under_a_later_one():
     (after,) = snapshot(book, telemetry={0: {"memory_used": 300}})
     assert (before.state, before.memory_used) == ("idle", 100)
     assert (after.state, after.memory_used) == ("busy", 300)
+
+
+def test_failed_and_released_ranks_then_a_rebuild_that_worked_leave_idle_ranks_with_notes():
+    book = book_of(4)
+    book.cell_ended(range(4), failed={1: "ValueError: boom"}, released={0: "was waiting for rank 1"})
+    rows = snapshot(book)
+    assert states(rows) == ["released", "failed", "idle", "idle"]
+    assert rows[1].note == "ValueError: boom" and rows[0].note == "was waiting for rank 1"
+    assert book.session_line() == "ready"
+    book.groups_rebuilt()
+    rows = snapshot(book)
+    assert states(rows) == ["idle"] * 4
+    assert rows[1].note == "last cell failed: ValueError: boom"
+    assert rows[0].note == "last cell released (was waiting for rank 1)"
+    assert book.session_line() == "rebuilt after a failure on rank 1, variables kept"
+    book.cell_ended([0, 1], failed=())  # a cell that works on them: the notes go
+    assert [r.note for r in snapshot(book)] == [""] * 4 and book.session_line() == "ready"
+
+
+def test_groups_not_whole_name_the_fix_until_a_restart_and_death_comes_first():
+    book = book_of(3)
+    book.groups_broken("a collective timed out", "%dist_restart")
+    assert book.broken() == ("a collective timed out", "%dist_restart")
+    assert book.session_line() == "needs %dist_restart: a collective timed out"
+    assert book.session_line(died=[2]) == "needs %dist_restart --hard: rank 2 died"
+    book.restarted(hard=False)
+    assert book.broken() is None and book.session_line() == "ready"
+    assert "stuck" in book.session_line(stuck=[1])

@@ -187,20 +187,20 @@ def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     tile = viz.status_tile_html(gpu, ParallelLayout(4, tp=2))
     assert "infini-state-busy" in tile and "NVIDIA H100<br>" in tile and "3.0 GiB used" in tile
     assert "rank 1" in tile and "tp1 dp0" in tile and "pid 101" in tile
-    dead = viz.status_tile_html(fake_state(2, "dead", exit_code=-9))
-    assert "dead (exit -9)" in dead and viz.STATE_COLORS["dead"] in dead
+    dead = viz.status_tile_html(fake_state(2, "died", exit_code=-9))
+    assert "died (exit -9)" in dead and viz.STATE_COLORS["died"] in dead
     assert ">busy</span>" in viz.status_tile_html(gpu, busy_for=1.0)
     assert ">busy 1m05s</span>" in viz.status_tile_html(gpu, busy_for=65.2)
-    states = [fake_state(r, s) for r, s in enumerate(["idle", "busy", "busy", "error"])]
-    assert viz.status_summary(states) == "4 ranks: 2 busy, 1 error, 1 idle"
-    stuck = [fake_state(r, s) for r, s in enumerate(["stuck", "busy", "dead", "stuck"])]
-    assert viz.status_summary(stuck) == "4 ranks: 1 busy, 2 stuck, 1 dead"
+    states = [fake_state(r, s) for r, s in enumerate(["idle", "busy", "busy", "failed"])]
+    assert viz.status_summary(states) == "4 ranks: 2 busy, 1 failed, 1 idle"
+    stuck = [fake_state(r, s) for r, s in enumerate(["stuck", "busy", "died", "stuck"])]
+    assert viz.status_summary(stuck) == "4 ranks: 1 busy, 2 stuck, 1 died"
     with_template = viz.status_summary(states, template_rss=300 * 2**20)
-    assert with_template == "4 ranks: 2 busy, 1 error, 1 idle · warm template RSS 300.0 MiB"
+    assert with_template == "4 ranks: 2 busy, 1 failed, 1 idle · warm template RSS 300.0 MiB"
     with_spares = viz.status_summary(states, template_rss=300 * 2**20, spares=4)
     assert with_spares.endswith("300.0 MiB · 4 spare engines for the next hard restart")
     text = viz.status_text(states, ParallelLayout(4, tp=2))
-    assert re.search(r"3\s+error\s+tp1 dp1\s+node0\s+103\s+cpu", text)
+    assert re.search(r"3\s+failed\s+tp1 dp1\s+node0\s+103\s+cpu", text)
 
 
 def test_tiles_show_live_usage_gpu_memory_and_util_or_rss_and_cpu():
@@ -226,7 +226,7 @@ def test_tiles_show_live_usage_gpu_memory_and_util_or_rss_and_cpu():
     assert "RSS 310.0 MiB · CPU 98%" in viz.status_tile_html(cpu)
     assert re.search(r"1\s+busy\s+.*cpu · RSS 310.0 MiB · CPU 98%", viz.status_text([cpu]))
     assert viz.device_text(fake_state(2)) == "cpu"  # not reported yet: nothing made up
-    for gone in ("dead", "stopped"):  # the last numbers would be stale
+    for gone in ("died", "stopped"):  # the last numbers would be stale
         assert viz.usage_text(fake_state(3, gone, rss=1 << 30, cpu_percent=50.0)) == ""
 
 

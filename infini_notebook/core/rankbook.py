@@ -1,8 +1,11 @@
 """What the kernel knows of each rank between calls: its RankState row, which ranks are busy
-(and since when none is), which failed their last cell, and which are stuck (ignored an
-interrupt or a release and still run). :class:`RankBook` is the only writer; its lock makes
-it safe for the foreground cell, a background cell's thread and the status poller at once.
-Pure: the facts it cannot know (alive? stuck now? telemetry) are passed in."""
+(and since when none is), which failed their last cell (raised, or were released from a wait
+on a rank that did), which are stuck (ignored an interrupt or a release and still run), and
+whether the session's process groups are whole (a failed rebuild, a timed-out collective:
+every command that needs them is refused until a restart). :class:`RankBook` is the only
+writer; its lock makes it safe for the foreground cell, a background cell's thread and the
+status poller at once. Pure: the facts it cannot know (alive? stuck now? telemetry) are
+passed in."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from .ranks import rank_label
 from .state import RankState
 
 
@@ -20,8 +24,12 @@ class RankBook:
         self._rows: list[RankState] = []
         self._busy: set[int] = set()
         self._idle_since = time.monotonic()  # when a rank was last busy (see idle_for)
-        self._errored: set[int] = set()
+        self._failed: dict[int, str] = {}  # rank -> its one-line error
+        self._released: dict[int, str] = {}  # rank -> what it waited for when released
+        self._notes: dict[int, str] = {}  # rank -> what its tile says beside 'idle'
         self._stuck: set[int] = set()
+        self._broken: tuple[str, str] | None = None  # (why the groups are not whole, the fix)
+        self._rebuilt = ""  # the session line after a rebuild that worked
 
     # ----- the rows ------------------------------------------------------------------------
     def record(self, rows: list[RankState]) -> None:
@@ -53,22 +61,77 @@ class RankBook:
             return 0.0 if self._busy else time.monotonic() - self._idle_since
 
     # ----- failed and stuck -----------------------------------------------------------------
-    def cell_ended(self, ranks: Iterable[int], failed: Iterable[int]) -> None:
-        """A cell on ``ranks`` ended; ``failed`` raised in it (shown as errors until a cell
-        that works on them)."""
-        failed = set(failed)
+    def cell_ended(
+        self,
+        ranks: Iterable[int],
+        failed: dict[int, str] | Iterable[int],
+        released: dict[int, str] | None = None,
+    ) -> None:
+        """A cell on ``ranks`` ended; ``failed`` raised in it ({rank: one-line error}) and
+        ``released`` were freed from a wait on one that did ({rank: what it waited for}).
+        They show as failed and released until a cell that works on them."""
+        failed = failed if isinstance(failed, dict) else dict.fromkeys(failed, "")
+        released = released or {}
         with self._lock:
-            if failed:
-                self._errored |= failed
-            else:
-                self._errored -= set(ranks)
+            if failed or released:
+                self._failed.update(failed)
+                self._released.update(released)
+                return
+            for r in ranks:
+                self._failed.pop(r, None)
+                self._released.pop(r, None)
+                self._notes.pop(r, None)
+            if not self._failed and not self._released:
+                self._rebuilt = ""
+
+    def groups_rebuilt(self) -> None:
+        """The automatic rebuild after a failure worked: every rank is idle again, the ones
+        that failed or were released with a note saying so, variables kept."""
+        with self._lock:
+            for r, e in self._failed.items():
+                self._notes[r] = f"last cell failed: {e}" if e else "last cell failed"
+            for r, why in self._released.items():
+                self._notes[r] = f"last cell released ({why})" if why else "last cell released"
+            failed = sorted(self._failed)
+            self._failed, self._released, self._broken = {}, {}, None
+            self._rebuilt = "rebuilt after a failure" + (
+                f" on {rank_label(failed)[1:-1]}" if failed else ""
+            )
+
+    def groups_broken(self, why: str, fix: str) -> None:
+        """The process groups are not whole (a rebuild failed or half applied, a collective
+        timed out): ``why``, and the command that makes them whole."""
+        with self._lock:
+            self._broken = (why, fix)
+
+    def broken(self) -> tuple[str, str] | None:
+        with self._lock:
+            return self._broken
 
     def restarted(self, hard: bool) -> None:
-        """New process groups: no rank is in error any more; new engines: none is stuck."""
+        """New process groups: no rank is failed any more; new engines: none is stuck."""
         with self._lock:
-            self._errored = set()
+            self._failed, self._released, self._notes = {}, {}, {}
+            self._broken, self._rebuilt = None, ""
             if hard:
                 self._stuck = set()
+
+    def session_line(self, died: Iterable[int] = (), stuck: Iterable[int] = ()) -> str:
+        """The session's state in a line: 'ready', 'rebuilt after a failure on rank 1,
+        variables kept', or 'needs %dist_restart --hard: rank 2 died'."""
+        died, stuck = sorted(died), sorted(stuck)
+        with self._lock:
+            broken, rebuilt = self._broken, self._rebuilt
+        if died:
+            return f"needs %dist_restart --hard: {rank_label(died)[1:-1]} died"
+        if broken:
+            return f"needs {broken[1]}: {broken[0]}"
+        if stuck:
+            return (
+                f"{rank_label(stuck)[1:-1]} stuck in native code: wait for the collective "
+                "timeout, or %dist_restart --hard"
+            )
+        return f"{rebuilt}, variables kept" if rebuilt else "ready"
 
     def add_stuck(self, ranks: Iterable[int]) -> None:
         """Ranks that ignored an interrupt or a release and still run their cell."""
@@ -103,22 +166,26 @@ class RankBook:
         copies: a caller keeping one (``before = session.status()``) compares it with a
         later call, which would otherwise change it too."""
         with self._lock:
-            busy, errored, rows = set(self._busy), set(self._errored), list(self._rows)
+            busy, rows = set(self._busy), list(self._rows)
+            failed, released, notes = dict(self._failed), dict(self._released), dict(self._notes)
         for rs in rows:
             for name, value in telemetry.get(rs.rank, {}).items():
                 setattr(rs, name, value)
+            rs.note = notes.get(rs.rank, "")
             if not session_running:
                 rs.state = "stopped"
             elif not alive(rs.rank):
-                if rs.state != "dead":
+                if rs.state != "died":
                     rs.exit_code = exit_code(rs.rank)
-                rs.state = "dead"
+                rs.state = "died"
             elif rs.rank in stuck:
                 rs.state = "stuck"
             elif rs.rank in busy:
                 rs.state = "busy"
-            elif rs.rank in errored:
-                rs.state = "error"
+            elif rs.rank in failed:
+                rs.state, rs.note = "failed", failed[rs.rank]
+            elif rs.rank in released:
+                rs.state, rs.note = "released", released[rs.rank]
             else:
                 rs.state = "idle"
         return [dataclasses.replace(rs) for rs in rows]

@@ -18,7 +18,9 @@ class RankState:
     host: str
     device: str
     device_name: str
-    state: str  # idle, busy, error, dead
+    # idle, busy, failed (raised), released (freed from a wait on a rank that failed),
+    # died, stuck (ignores interrupts and releases), stopped
+    state: str
     coords: dict = field(default_factory=dict)
     memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)
     exit_code: int | None = None
@@ -29,6 +31,7 @@ class RankState:
     gpu_util: int | None = None  # percent, where nvidia-ml-py is importable on the rank
     rss: int | None = None  # the rank's process (bytes)
     cpu_percent: float | None = None  # 100 = one core busy
+    note: str = ""  # failed: its error; released: what it waited for; idle: its last cell
 
 
 @dataclass

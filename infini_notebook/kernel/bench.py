@@ -135,6 +135,7 @@ def run_bench(
     ``progress(done, total, what)`` is told after every step (viz.Progress draws it).
     """
     collectives = check_collectives([collectives] if isinstance(collectives, str) else collectives)
+    session.require_whole()
     layout = session.layout
     kinds = [normalize_group_kind(layout, k) for k in _as_list(groups, "world")]
     _check_counts(iters, warmup)
@@ -171,6 +172,7 @@ def run_p2p(
 ) -> pd.DataFrame:
     """Send bandwidth (GB/s) for every ordered pair of ranks: a src x dst DataFrame, NaN on
     the diagonal. Pairs run one at a time, so each measures its link alone."""
+    session.require_whole()
     _check_counts(iters, warmup)
     dtype = resolve_dtype(dtype)
     nbytes = parse_sizes(size or _default_p2p_size(session))[-1]

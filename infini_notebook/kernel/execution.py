@@ -42,6 +42,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
     dead = supervision.dead_ranks(s, targets)
     if dead:
         raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
+    s.require_whole()
     refuse_stuck(s, targets)
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
@@ -70,9 +71,7 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
         files.close()
     s.last = result
     if result.errors:
-        error = cell_error(s, result, targets, watch)
-        s.book.cell_ended(targets, failed=result.errors)
-        raise error
+        raise cell_error(s, result, targets, watch)
     s.book.cell_ended(targets, failed=())
     return result
 
@@ -241,6 +240,11 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
     if not died and set(result.errors) <= aside:  # no other cause: lost peers are the news
         aside -= released - set(watch.released)
     causes = {r: e for r, e in result.errors.items() if r not in aside}
+    s.book.cell_ended(
+        targets,
+        failed={r: e for r, e in result.errors.items() if r not in released},
+        released={r: _waited_for(watch, r) for r in released},
+    )
     parts = []
     if died:
         parts.append(supervision.dead_text(died))
@@ -260,14 +264,25 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
         advice = ". " + _rebuild_groups(s)
     else:
         advice = _advice(s, result)
+        if result.timed_out:  # the groups a timed-out collective leaves are unusable
+            fix = "%dist_restart --hard" if soft_restart_fails(s.plan, os.environ) else None
+            s.book.groups_broken("a collective timed out", fix or "%dist_restart")
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
 
 
+def _waited_for(watch: WaitWatch, rank: int) -> str:
+    peers = watch.released.get(rank)
+    return f"was waiting for {rank_label(peers)[1:-1]}" if peers else "lost a peer that left"
+
+
 def _rebuild_groups(s) -> str:
-    """The soft restart after a release: new process groups, variables kept."""
+    """The soft restart after a release: new process groups, variables kept. Until one
+    works, every command that needs the groups is refused (``Session.require_whole``)."""
     try:
-        s.restart()
+        s.restart(after_failure=True)
     except Exception as e:
+        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})",
+                             "%dist_restart --hard")  # fmt: skip
         return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
     return (
         "The process groups were rebuilt (variables kept): `groups` and `mesh` are new; "

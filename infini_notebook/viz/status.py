@@ -75,7 +75,7 @@ class StatusWidget(widgets.VBox):
                 self._busy_since.pop(rs.rank, None)
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
-        summary = status_summary(states, *_helpers(self.session))
+        summary = status_summary(states, *_helpers(self.session, states))
         self.summary.value = f'<div class="infini-title">{esc(summary)}</div>'
         # Last: whoever waits on ``states`` then finds the tiles and summary of this poll
         # (set first, they once showed a poll behind the states).
@@ -116,18 +116,23 @@ class StatusWidget(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs) -> dict:
         states = self.session.status()
         bundle = super()._repr_mimebundle_(**kwargs) or {}
-        helpers = _helpers(self.session)
+        helpers = _helpers(self.session, states)
         bundle["text/html"] = status_html(states, self.layout_, *helpers)
         bundle["text/plain"] = status_text(states, self.layout_, *helpers)
         return bundle
 
 
-def _helpers(session: StatusSource) -> tuple[int | None, int]:
-    """The warm template's memory and the number of spare engines, where the session
-    tells them."""
+def _helpers(session: StatusSource, states: list[RankState]) -> tuple[int | None, int, str]:
+    """The warm template's memory, the number of spare engines and the session's line
+    ('ready', 'needs %dist_restart --hard: ...'), where the session tells them."""
     rss = getattr(session, "template_rss", None)
     spares = getattr(session, "spare_engines", None)
-    return (rss() if rss is not None else None), (spares() if spares is not None else 0)
+    line = getattr(session, "session_line", None)
+    return (
+        rss() if rss is not None else None,
+        spares() if spares is not None else 0,
+        line(states) if line is not None else "",
+    )
 
 
 def _session_layout(session: StatusSource) -> ParallelLayout | None:
@@ -165,7 +170,8 @@ def session_mimebundle(session: StatusSource) -> dict:
     if in_kernel() and session.running:
         bundle = status_widget(session)._repr_mimebundle_()
     else:
-        states, helpers = session.status(), _helpers(session)
+        states = session.status()
+        helpers = _helpers(session, states)
         layout = _session_layout(session)
         bundle = {
             "text/html": status_html(states, layout, *helpers),

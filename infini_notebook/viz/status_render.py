@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 STATE_COLORS = {
     "idle": "#2e9d4f",
     "busy": "#e0a100",
-    "error": "#d33c3c",
+    "failed": "#d33c3c",  # raised in its last cell
+    "released": "#c0622f",  # freed from a wait on a rank that failed
     "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
-    "dead": "#444444",
+    "died": "#444444",
     "stopped": "#9e9e9e",
 }
 BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
@@ -36,7 +37,7 @@ def device_label(rs: RankState) -> str:
 def usage_text(rs: RankState) -> str:
     """What the rank uses now, from its telemetry: ``12.1 GiB of 79.6 GiB · util 87%`` on a
     GPU, ``RSS 310.2 MiB · CPU 98%`` on a CPU; empty for a rank that is gone or not reported."""
-    if rs.state in ("dead", "stopped"):  # the last numbers would be stale
+    if rs.state in ("died", "stopped"):  # the last numbers would be stale
         return ""
     parts = []
     if str(rs.device).startswith("cuda"):
@@ -60,8 +61,8 @@ def device_text(rs: RankState) -> str:
 
 def state_text(rs: RankState, busy_for: float | None = None) -> str:
     """``busy 1m05s`` once a rank has been busy a while: a long one may be stuck."""
-    if rs.state == "dead" and rs.exit_code is not None:
-        return f"dead (exit {rs.exit_code})"
+    if rs.state == "died" and rs.exit_code is not None:
+        return f"died (exit {rs.exit_code})"
     if rs.state == "busy" and busy_for is not None and busy_for >= BUSY_SHOWN_AFTER_S:
         minutes, seconds = divmod(int(busy_for), 60)
         return f"busy {minutes}m{seconds:02d}s" if minutes else f"busy {seconds}s"
@@ -81,24 +82,30 @@ def status_tile_html(
         f"<b>rank {rs.rank}</b> &nbsp;{esc(coords_label(rs.coords, layout))}<br>"
         f'<span class="infini-muted">{esc(rs.host)} · pid {rs.pid}</span><br>'
         f"{esc(device_label(rs))}<br>"
-        f'<span class="infini-usage">{esc(usage_text(rs))}</span></div>'
+        f'<span class="infini-usage">{esc(usage_text(rs))}</span>'
+        + (f'<br><span class="infini-note">{esc(rs.note)}</span>' if rs.note else "")
+        + "</div>"
     )
 
 
 def status_summary(
-    states: Sequence[RankState], template_rss: int | None = None, spares: int = 0
+    states: Sequence[RankState],
+    template_rss: int | None = None,
+    spares: int = 0,
+    session_line: str = "",
 ) -> str:
-    """``4 ranks: 2 busy, 2 idle``, the warm template's memory while it runs
+    """``session ready · 4 ranks: 2 busy, 2 idle``, the warm template's memory while it runs
     (``· warm template RSS 310.2 MiB``) and the spare engines a hard restart left."""
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
-    order = ["busy", "stuck", "error", "dead", "idle", "stopped"]
+    order = ["busy", "stuck", "failed", "released", "died", "idle", "stopped"]
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
     spare = f" · {spares} spare engines for the next hard restart" if spares else ""
-    return f"{len(states)} ranks: " + ", ".join(parts) + template + spare
+    session = f"session {session_line} · " if session_line else ""
+    return f"{session}{len(states)} ranks: " + ", ".join(parts) + template + spare
 
 
 def status_html(
@@ -106,11 +113,12 @@ def status_html(
     layout: ParallelLayout | None = None,
     template_rss: int | None = None,
     spares: int = 0,
+    session_line: str = "",
 ) -> str:
     tiles = "".join(status_tile_html(rs, layout) for rs in states)
     cols = grid_shape(layout).ncols if layout is not None else 4
     grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
-    summary = status_summary(states, template_rss, spares)
+    summary = status_summary(states, template_rss, spares, session_line)
     return (
         f'{CSS}<div class="infini-status"><div class="infini-title">'
         f'{esc(summary)}</div><div style="{grid}">{tiles}</div></div>'
@@ -122,14 +130,15 @@ def status_text(
     layout: ParallelLayout | None = None,
     template_rss: int | None = None,
     spares: int = 0,
+    session_line: str = "",
 ) -> str:
-    rows = [status_summary(states, template_rss, spares)]
+    rows = [status_summary(states, template_rss, spares, session_line)]
     rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
     for rs in states:
         coords = coords_label(rs.coords, layout)
         rows.append(
             f"{rs.rank:>4}  {state_text(rs):<13} {coords:<14} {rs.host[:16]:<16} "
-            f"{rs.pid:>7}  {device_text(rs)}"
+            f"{rs.pid:>7}  {device_text(rs)}" + (f"  ({rs.note})" if rs.note else "")
         )
     return "\n".join(rows)
 
