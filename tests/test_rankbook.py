@@ -90,7 +90,9 @@ def test_a_kept_status_row_does_not_change_under_a_later_one():
 
 def test_failed_and_released_ranks_then_a_rebuild_that_worked_leave_idle_ranks_with_notes():
     book = book_of(4)
-    book.cell_ended(range(4), failed={1: "ValueError: boom"}, released={0: "was waiting for rank 1"})
+    book.cell_ended(
+        range(4), failed={1: "ValueError: boom"}, released={0: "was waiting for rank 1"}
+    )
     rows = snapshot(book)
     assert states(rows) == ["released", "failed", "idle", "idle"]
     assert rows[1].note == "ValueError: boom" and rows[0].note == "was waiting for rank 1"

@@ -69,3 +69,15 @@ def test_status_after_a_failure_the_rebuild_fixed_says_idle_with_a_note(kernel):
     assert "session rebuilt after a failure on rank 1, variables kept · 4 ranks: 4 idle" in status
     assert "[rank 2] 2" in text_of(kernel.run("%%dist\nprint(keep)"))  # variables kept
     assert "session ready" in text_of(kernel.run("%dist_status"))
+
+
+def test_a_failed_pull_says_one_line_per_rank_and_keeps_the_tracebacks_in_a_file(kernel):
+    use_session(kernel, FLAGS)
+    kernel.run("%%dist\nclass Unpicklable:\n    def __reduce__(self):\n"
+               "        raise TypeError('cannot send me')\nodd = Unpicklable()")  # fmt: skip
+    err = text_of(kernel.run("%dist_pull odd", allow_error=True), "error")
+    assert "[rank 0] TypeError: cannot send me" in err, err
+    assert "ipyparallel" not in err and "infini_notebook/" not in err, err
+    log = err.split("(the tracebacks: ")[1].split(")")[0]
+    with open(log, encoding="utf-8") as f:
+        assert "cannot send me" in f.read()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from ..core import internals
 from ..core.errors import DistCellError, DistUsageError
 from ..core.output import error_report, error_summary, one_line, remote_traceback
 from ..core.plan import SessionPlan
+from ..core.ranks import rank_label
 
 log = logging.getLogger("infini_notebook")
 
@@ -41,9 +43,13 @@ class ControllerGone(DistUsageError):
         super().__init__(f"{what}: {CONTROLLER_GONE}" if what else CONTROLLER_GONE)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
+
+
 class Client:
-    def __init__(self):
+    def __init__(self, error_log: str | None = None):
         self.lock = threading.RLock()  # held for every use of the client (see above)
+        self.error_log = error_log  # the whole tracebacks of failed machinery calls
         self._cluster: Any = None
         self._client: Any = None
         self._loop: Any = None
@@ -212,8 +218,12 @@ class Client:
         self._cluster = None
 
     # ----- replies ------------------------------------------------------------------------
-    def gather(self, pending: dict, what: str, timeout: float) -> dict:
-        """Wait for one apply per rank; raise DistCellError naming the ranks that failed."""
+    def gather(self, pending: dict, what: str, timeout: float, log: bool = True) -> dict:
+        """Wait for one apply per rank; raise DistCellError naming the ranks that failed,
+        one line each: these are our calls (start, restart, bench, pull, push), and their
+        tracebacks run through our and ipyparallel's frames; the whole of them goes to the
+        session folder's errors.log, which the error names. ``log=False`` (a failed start,
+        whose folder goes with it): the tracebacks are shown instead."""
         deadline = time.monotonic() + timeout
         out, errors, tracebacks = {}, {}, {}
         for r, ar in pending.items():
@@ -229,12 +239,26 @@ class Client:
         # return values can be big (a pulled tensor): nothing here keeps a copy
         self.forget([m for ar in pending.values() for m in ar.msg_ids])
         if errors:
+            where = self._log_tracebacks(what, tracebacks) if log else None
+            lines = "".join(f"{rank_label([r])} {errors[r]}\n" for r in sorted(errors))
             raise DistCellError(
                 f"{what} failed on {error_summary(errors, list(pending))}",
-                error_report(tracebacks),
+                lines + (f"(the tracebacks: {where})\n" if where else error_report(tracebacks)),
                 sorted(errors),
             )
         return out
+
+    def _log_tracebacks(self, what: str, tracebacks: dict[int, str]) -> str | None:
+        """Append the tracebacks to the error log; its path, or None if it cannot be written."""
+        if not self.error_log:
+            return None
+        try:
+            with open(self.error_log, "a", encoding="utf-8") as f:
+                f.write(f"===== {what}, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+                f.write(ANSI.sub("", error_report(tracebacks)))
+        except OSError:
+            return None
+        return self.error_log
 
     def forget(self, msg_ids: list[str]) -> None:
         """Drop what ipyparallel keeps of finished work: the client's results, metadata and

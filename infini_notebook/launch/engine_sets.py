@@ -31,7 +31,7 @@ class Engines:
         from . import launchers
 
         self.plan, self.folder = plan, folder
-        self.client = Client()
+        self.client = Client(folder.file("errors.log"))  # machinery tracebacks go there
         self.template = WarmTemplate(warmed, launchers.template_env(plan) if warmed else None)
         self._eids: list[int] = []  # engine id of each rank
         self._pids: dict[int, psutil.Process] = {}  # ranks whose engine is ours, on this host

@@ -68,7 +68,7 @@ def bootstrap_ranks(
     failed = wait_for_bootstrap(plan, pending, progress)
     if failed is not None:  # the others wait for it until the timeout: the caller stops them
         raise bootstrap_error(plan, engines, failed, pending[failed])
-    infos = engines.client.gather(pending, what="start", timeout=plan.timeout + 60)
+    infos = engines.client.gather(pending, what="start", timeout=plan.timeout + 60, log=False)
     return rank_table(plan, engines, infos)
 
 
