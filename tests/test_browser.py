@@ -74,6 +74,13 @@ def test_widgets_render_in_jupyterlab(tmp_path):
             wait_kernel_idle(page)
             run_all_cells(page)
             check_outputs(page, shots)
+            check_contrast(page, shots, "light")
+            page.evaluate(
+                "() => window.jupyterapp.commands.execute('apputils:change-theme', "
+                "{theme: 'JupyterLab Dark'})"
+            )
+            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+            check_contrast(page, shots, "dark")
         finally:
             browser.close()
     os.makedirs(OUT, exist_ok=True)
@@ -130,6 +137,46 @@ def check_outputs(page, shots) -> None:
     page.set_viewport_size({"width": 1500, "height": min(height + 250, 8000)})
     page.locator(".jp-Cell").first.scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "notebook.png"))
+
+
+# WCAG contrast of each element's text against what is behind it (the first ancestor with a
+# background; a translucent text color blended over it), the lowest per selector.
+CONTRAST_JS = """(selectors) => {
+  const rgba = (s) => { const m = s.match(/[\\d.]+/g).map(Number);
+    return [m[0], m[1], m[2], m.length > 3 ? m[3] : 1]; };
+  const lum = ([r, g, b]) => [r, g, b].map((c) => { c /= 255;
+    return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; })
+    .reduce((s, c, i) => s + c * [0.2126, 0.7152, 0.0722][i], 0);
+  const behind = (el) => { for (let e = el; e; e = e.parentElement) {
+      const c = rgba(getComputedStyle(e).backgroundColor); if (c[3] > 0.5) return c; }
+    return [255, 255, 255, 1]; };
+  const out = {};
+  for (const sel of selectors) {
+    for (const el of document.querySelectorAll(sel)) {
+      const bg = behind(el), fg = rgba(getComputedStyle(el).color);
+      const text = fg.slice(0, 3).map((c, i) => fg[3] * c + (1 - fg[3]) * bg[i]);
+      const [hi, lo] = [lum(text), lum(bg)].sort((a, b) => b - a);
+      out[sel] = Math.min(out[sel] ?? 99, (hi + 0.05) / (lo + 0.05));
+    }
+  }
+  return out; }"""
+CONTRASTED = [
+    ".infini-rank-tile",
+    ".infini-rank-tile .infini-muted",
+    ".infini-rank-tile .infini-state",
+    ".infini-grid-head",
+    ".infini-title",
+    ".infini-group-tile",
+]
+
+
+def check_contrast(page, shots, theme: str) -> None:
+    """Issue 33, item 4: text keeps 4.5:1 in JupyterLab's light and dark themes."""
+    got = page.evaluate(CONTRAST_JS, CONTRASTED)
+    assert set(got) == set(CONTRASTED), got  # every kind of element was found
+    low = {sel: round(c, 2) for sel, c in got.items() if c < 4.5}
+    page.screenshot(path=str(shots / f"notebook_{theme}.png"), full_page=True)
+    assert not low, f"{theme} theme: contrast under 4.5:1 {low}"
 
 
 def natural_width(img) -> int:

@@ -422,3 +422,22 @@ def test_status_magic_and_session_value_show_the_widget(kernel):
         assert data["text/html"].count('class="infini-rank-tile') == 2
         assert re.search(r"1\s+idle\s+tp1", data["text/plain"])
     kernel.run("%dist_stop")
+
+
+def test_state_badges_and_group_tiles_keep_text_readable_in_any_theme():
+    """WCAG 4.5:1: badges carry white text, group tiles dark text (#111) on their pastel."""
+
+    def luminance(color: str) -> float:
+        rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    def contrast(a: str, b: str) -> float:
+        hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+        return (hi + 0.05) / (lo + 0.05)
+
+    from infini_notebook.viz.render import PALETTE
+
+    assert {s: round(contrast(c, "#ffffff"), 2) for s, c in viz.STATE_COLORS.items()
+            if contrast(c, "#ffffff") < 4.5} == {}  # fmt: skip
+    assert [c for c in PALETTE if contrast(c, "#111111") < 4.5] == []

@@ -44,24 +44,33 @@ PALETTE = (
 MAX_GRID_COLS = 16  # a single wide dim wraps into rows of at most this many ranks
 SPANS_HOSTS = "⇄"  # marks tiles whose group crosses a host boundary
 
-CSS = """
+# Colors follow the notebook's theme: JupyterLab's variables, then VS Code's, then a light
+# fallback (classic Notebook). Text keeps 4.5:1 contrast in JupyterLab's light and dark
+# themes (tests/test_browser.py reads the computed styles); group tiles keep their pastel
+# backgrounds, so their text is dark in every theme.
+FG = "var(--jp-ui-font-color1, var(--vscode-editor-foreground, #222))"
+FG_MUTED = "var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #555))"
+BG = "var(--jp-layout-color1, var(--vscode-editor-background, #fff))"
+BORDER = "var(--jp-border-color1, var(--vscode-panel-border, #ccc))"
+CSS = f"""
 <style>
-.infini-rank-tile { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;
-  line-height: 1.35; padding: 5px 8px; border-radius: 6px; border: 1px solid #ccc;
-  border-left-width: 7px; background: #fff; color: #222; min-width: 200px; }
-.infini-rank-tile .infini-state { float: right; margin-left: 8px; font-weight: 600; color: #fff;
-  padding: 0 6px; border-radius: 8px; font-size: 11px; }
-.infini-rank-tile .infini-muted { color: #666; }
-.infini-rank-tile .infini-usage { font-variant-numeric: tabular-nums; }
-.infini-group-tile.jupyter-button { white-space: pre; height: auto; line-height: 1.35;
-  padding: 6px 4px; font-size: 12px; border-radius: 6px; }
-.infini-group-tile.infini-dim { opacity: 0.35; }
-.infini-grid-head { font-size: 12px; color: #444; font-weight: 600; text-align: center;
-  align-self: center; }
-.infini-title { font-size: 13px; font-weight: 600; margin: 2px 0 4px 0; }
-.infini-static-grid td { padding: 2px; text-align: center; }
-.infini-static-grid .infini-group-tile { white-space: pre; padding: 6px 10px;
-  border-radius: 6px; font-size: 12px; line-height: 1.35; border: 1px solid #bbb; }
+.infini-rank-tile {{ font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;
+  line-height: 1.35; padding: 5px 8px; border-radius: 6px; border: 1px solid {BORDER};
+  border-left-width: 7px; background: {BG}; color: {FG}; min-width: 200px; }}
+.infini-rank-tile .infini-state {{ float: right; margin-left: 8px; font-weight: 600;
+  color: #fff; padding: 0 6px; border-radius: 8px; font-size: 11px; }}
+.infini-rank-tile .infini-muted, .infini-rank-tile .infini-note {{ color: {FG_MUTED}; }}
+.infini-rank-tile .infini-usage {{ font-variant-numeric: tabular-nums; }}
+.infini-group-tile.jupyter-button {{ white-space: pre; height: auto; line-height: 1.35;
+  padding: 6px 4px; font-size: 12px; border-radius: 6px; color: #111 !important; }}
+.infini-group-tile.infini-dim {{ opacity: 0.35; }}
+.infini-grid-head {{ font-size: 12px; color: {FG}; font-weight: 600; text-align: center;
+  align-self: center; }}
+.infini-title {{ font-size: 13px; font-weight: 600; margin: 2px 0 4px 0; color: {FG}; }}
+.infini-static-grid td {{ padding: 2px; text-align: center; }}
+.infini-warn {{ color: var(--jp-error-color1, #b3261e); }}
+.infini-static-grid .infini-group-tile {{ white-space: pre; padding: 6px 10px; color: #111;
+  border-radius: 6px; font-size: 12px; line-height: 1.35; border: 1px solid #bbb; }}
 </style>
 """
 
@@ -268,7 +277,7 @@ def groups_legend(layout: LayoutLike, kind: str, hosts: Sequence[str] | None) ->
         )
     more = f" … and {len(groups) - 32} more" if len(groups) > 32 else ""
     note = (
-        f'<br><span style="color:#a33">{SPANS_HOSTS} {len(spanning)} {kind} group(s) span '
+        f'<br><span class="infini-warn">{SPANS_HOSTS} {len(spanning)} {kind} group(s) span '
         f"hosts (traffic leaves the node)</span>"
         if spanning
         else ""

@@ -14,14 +14,15 @@ if TYPE_CHECKING:
     from ..core.layout import ParallelLayout
     from ..core.state import RankState
 
+# Badges carry white text: every color keeps WCAG's 4.5:1 against it (tests/test_viz.py).
 STATE_COLORS = {
-    "idle": "#2e9d4f",
-    "busy": "#e0a100",
-    "failed": "#d33c3c",  # raised in its last cell
-    "released": "#c0622f",  # freed from a wait on a rank that failed
+    "idle": "#1f7a3a",
+    "busy": "#8a5a00",
+    "failed": "#c0302f",  # raised in its last cell
+    "released": "#a34a12",  # freed from a wait on a rank that failed
     "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
     "died": "#444444",
-    "stopped": "#9e9e9e",
+    "stopped": "#6e6e6e",
 }
 BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
 
