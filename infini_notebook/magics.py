@@ -29,22 +29,6 @@ def _session() -> cluster.Session:
     return session
 
 
-def prewarm_note() -> str:
-    """What %dist_status says of the template warmed for the next session (see prewarm.py)."""
-    from .launch import prewarm
-
-    template = prewarm.warm_template()
-    try:
-        rss = template.memory_info().rss if template is not None else None
-    except Exception:  # it just ended
-        rss = None
-    if rss is None:
-        return ""
-    from .viz.render import format_bytes
-
-    return f" A warm template waits for it (RSS {format_bytes(rss)}; %dist_stop ends it)."
-
-
 def _unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around a quoted value."""
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
@@ -188,16 +172,26 @@ class DistMagics(Magics):
     @line_magic
     def dist_status(self, line: str):
         """Live tiles, one per rank: coordinates, host, device, pid and state (idle, busy,
-        error, dead); they update while cells run. Terminals get the same as a text table."""
+        failed, released, died, stuck) with a note, under the session's line (ready, rebuilt
+        after a failure, or what it needs); they update while cells run. Terminals get the
+        same as a text table."""
         from IPython.display import display
 
         from . import viz
+        from .launch import prewarm
 
         if cluster.current() is None:
             raise DistUsageError(
-                "No session is running. Start one with %dist_start --nprocs 4." + prewarm_note()
+                "No session is running. Start one with %dist_start --nprocs 4."
+                + prewarm.status_note()
             )
         display(viz.status_widget(_session()))
+
+    def _assigned(self, magic: str) -> bool:
+        """Whether the running cell assigns this line magic's value (``df = %magic ...``):
+        IPython turns it into ``df = get_ipython().run_line_magic('magic', ...)``."""
+        cell = (self.shell.user_ns.get("In") or [""])[-1]
+        return f"= get_ipython().run_line_magic('{magic}'" in cell
 
     @staticmethod
     def _groups_layout(args) -> tuple:
@@ -310,8 +304,9 @@ class DistMagics(Magics):
     def dist_bench(self, line: str):
         """Collective bandwidth per parallel group, as nccl-tests measures it.
 
-        Prints the table, plots busbw against size and returns the DataFrame (also stored
-        under -o; end the line with ; to not show it again).
+        Prints the table and plots busbw against size; the DataFrame is returned where the
+        line is assigned (df = %dist_bench ...), so the numbers are not shown a third time,
+        and stored under -o NAME.
         Example: df = %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M
         """
         from IPython.display import Image, display
@@ -352,7 +347,7 @@ class DistMagics(Magics):
             display(Image(data=viz.figure_png(fig), format="png"))
         if args.out:
             self.shell.user_ns[args.out] = result
-        return result
+        return result if self._assigned("dist_bench") else None
 
     @magic_arguments()
     @argument("path", help="the script to write, e.g. train.py")

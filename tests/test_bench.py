@@ -367,3 +367,11 @@ def test_p2p_summary_prints_the_matrix_and_the_means_by_locality():
         "mean inter-node send bandwidth: 1.500 GB/s",
     ]
     assert lines[:-2] == m.round(3).to_string().splitlines()
+
+
+def test_bandwidths_keep_three_significant_digits_where_two_decimals_showed_zero():
+    from infini_notebook.core.busbw import three_digits
+
+    assert [three_digits(v) for v in (0.003788, 0.0, 12.345, 483.2)] == [
+        "0.00379", "0", "12.3", "483",
+    ]  # fmt: skip

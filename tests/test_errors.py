@@ -51,6 +51,12 @@ def test_bench_returns_its_dataframe(ranks2):
     assert "DataFrame 3 [1024, 2048, 4096]" in out
 
 
+def test_a_bare_bench_line_shows_its_numbers_once_not_again_as_a_value(ranks2):
+    cell = ranks2.run("%dist_bench all_reduce --sizes 1K --iters 2 --warmup 1")
+    assert [o for o in cell.outputs if o.output_type == "execute_result"] == []
+    assert "# all_reduce on world groups" in text_of(cell)
+
+
 def test_pushing_an_unpicklable_value_names_it(ranks2):
     cell = ranks2.run(
         "import threading\nlock = threading.Lock()\n%dist_push lock", allow_error=True

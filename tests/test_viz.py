@@ -441,3 +441,10 @@ def test_state_badges_and_group_tiles_keep_text_readable_in_any_theme():
     assert {s: round(contrast(c, "#ffffff"), 2) for s, c in viz.STATE_COLORS.items()
             if contrast(c, "#ffffff") < 4.5} == {}  # fmt: skip
     assert [c for c in PALETTE if contrast(c, "#111111") < 4.5] == []
+
+
+def test_color_by_lists_only_kinds_made_of_dims_larger_than_one():
+    from infini_notebook.viz.render import color_kinds
+
+    assert color_kinds(ParallelLayout(4, tp=2)) == ["tp", "dp"]  # cp = pp = 1: 2, not 8
+    assert "tp-pp" in color_kinds(ParallelLayout(16, tp=2, pp=2))

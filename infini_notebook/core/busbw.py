@@ -178,6 +178,14 @@ def to_frame(rows: list[dict], check: bool = False, **attrs: Any) -> pd.DataFram
     return df
 
 
+def three_digits(gbps: float) -> str:
+    """A bandwidth with 3 significant digits: 0.00381 and 12.3 (nccl-tests' fixed 2 decimals
+    print the bandwidth of small messages on CPU ranks as 0.00), 483 above 100."""
+    if gbps != gbps or gbps == 0:  # NaN, or nothing moved
+        return f"{gbps:.0f}" if gbps == 0 else "nan"
+    return f"{gbps:.0f}" if abs(gbps) >= 100 else f"{gbps:.3g}"
+
+
 # column -> (heading, unit, width, format), as nccl-tests prints its table
 TABLE: dict[str, tuple[str, str, int, Callable[[Any], str]]] = {
     "size_bytes": ("size", "(B)", 10, str),
@@ -185,8 +193,8 @@ TABLE: dict[str, tuple[str, str, int, Callable[[Any], str]]] = {
     "dtype": ("type", "", 8, str),
     "ranks": ("ranks", "", 12, lambda ranks: format_ranks(list(ranks))),
     "time_us": ("time", "(us)", 9, "{:.1f}".format),
-    "algbw_gbps": ("algbw", "(GB/s)", 7, "{:.2f}".format),
-    "busbw_gbps": ("busbw", "(GB/s)", 7, "{:.2f}".format),
+    "algbw_gbps": ("algbw", "(GB/s)", 8, three_digits),
+    "busbw_gbps": ("busbw", "(GB/s)", 8, three_digits),
     "wrong": ("#wrong", "", 6, str),
 }
 

@@ -126,3 +126,17 @@ def end(warmed: Warmed) -> None:
     end_all([warmed.template], grace=0)
     stop_watchdog(warmed.watchdog)
     remove_session_folder(warmed.workdir)
+
+
+def status_note() -> str:
+    """What %dist_status says of the template warmed for the next session, if one waits."""
+    template = warm_template()
+    try:
+        rss = template.memory_info().rss if template is not None else None
+    except Exception:  # it just ended
+        rss = None
+    if rss is None:
+        return ""
+    from ..viz.render import format_bytes
+
+    return f" A warm template waits for it (RSS {format_bytes(rss)}; %dist_stop ends it)."

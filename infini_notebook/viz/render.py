@@ -174,8 +174,14 @@ def default_color_kind(layout: LayoutLike) -> str:
 
 
 def color_kinds(layout: LayoutLike) -> list[str]:
-    """Kinds worth coloring by: groups of more than one rank that are not the whole world."""
-    kinds = [k for k in layout.kinds() if 1 < layout.kind_size(k) < layout.world_size]
+    """Kinds worth coloring by: groups of more than one rank that are not the whole world,
+    made of dims of size > 1 only (with cp = pp = 1, "tp-cp" is "tp" under another name)."""
+    kinds = [
+        k
+        for k in layout.kinds()
+        if 1 < layout.kind_size(k) < layout.world_size
+        and all(layout.kind_size(d) > 1 for d in k.split("-"))
+    ]
     return kinds or [default_color_kind(layout)]
 
 
