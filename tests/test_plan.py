@@ -342,3 +342,20 @@ def test_threads_per_rank_share_the_hosts_cpus_unless_given():
     assert make_plan(nprocs=2, threads=3, visible_gpus=[]).threads == 3
     with pytest.raises(DistUsageError, match="at least 1 thread"):
         make_plan(nprocs=2, threads=0, visible_gpus=[])
+
+
+def test_a_cell_error_shows_its_root_cause_on_a_short_first_line_and_the_rest_below():
+    from infini_notebook.core.errors import DistCellError
+
+    summary = (
+        "rank 1: ValueError: boom; ranks 0,2-3 were waiting for rank 1 in all_reduce #2 "
+        "(In[7], line 6): released. The process groups were rebuilt (variables kept)."
+    )
+    shown = DistCellError(summary, "[rank 1]\ntrace")._render_traceback_()
+    assert shown == [
+        "[rank 1]",
+        "trace",
+        "\x1b[0;31mDistCellError\x1b[0m: rank 1: ValueError: boom",
+        "  ranks 0,2-3 were waiting for rank 1 in all_reduce #2 (In[7], line 6): released.",
+        "  The process groups were rebuilt (variables kept).",
+    ]

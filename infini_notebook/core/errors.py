@@ -6,6 +6,11 @@ traceback: the interesting frames live on the ranks, not in our plumbing.
 
 from __future__ import annotations
 
+import re
+
+# Where a summary's parts meet: "; " between causes, and the sentence of advice after them.
+_PARTS = re.compile(r"; |(?<=\.) (?=[A-Z%])")
+
 
 class DistUsageError(Exception):
     """A user mistake (bad flag, wrong state). The message names the fix."""
@@ -27,8 +32,11 @@ class DistCellError(Exception):
         return f"{self.summary}\n{self.report}" if self.report else self.summary
 
     def _render_traceback_(self) -> list[str]:
+        """The labeled tracebacks, then the summary: its first part (the root cause) on the
+        error's own line, short enough not to wrap, and each further part on a line below."""
         lines = self.report.splitlines() if self.report else []
-        return lines + [f"\x1b[0;31mDistCellError\x1b[0m: {self.summary}"]
+        head, *rest = _PARTS.split(self.summary)
+        return lines + [f"\x1b[0;31mDistCellError\x1b[0m: {head}"] + [f"  {p}" for p in rest]
 
 
 class DistInterrupted(DistCellError):
