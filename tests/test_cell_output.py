@@ -89,13 +89,15 @@ for i in range(5):
 """
 
 
-def test_clear_output_per_rank_leaves_one_figure_and_frame_per_rank(ranks4):
+def test_clear_output_per_rank_leaves_one_figure_and_frame_per_rank_figures_in_a_grid(ranks4):
     cell = ranks4.run(LIVE_PLOT)
-    figures = [o for o in outputs(cell, "display_data") if "image/png" in o["data"]]
-    assert len(figures) == 4, cell.outputs
-    assert text_of(cell, "stdout").splitlines() == [
-        line for r in range(4) for line in (f"[rank {r}]", f"[rank {r}] frame 4")
-    ]
+    (grid,) = [o for o in outputs(cell, "display_data") if "<figure" in o["data"]["text/html"]]
+    html = grid["data"]["text/html"]
+    assert html.count("data:image/png;base64,") == 4  # the last frame of each rank
+    captions = re.findall(r"<figcaption[^>]*>\[rank (\d)\]</figcaption>", html)
+    assert captions == ["0", "1", "2", "3"]  # in rank order, side by side
+    assert grid["data"]["text/plain"] == "<figures of ranks 0-3>"
+    assert text_of(cell, "stdout").splitlines() == [f"[rank {r}] frame 4" for r in range(4)]
 
 
 def test_update_display_replaces_the_ranks_own_display(ranks4):

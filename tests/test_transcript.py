@@ -92,3 +92,23 @@ def test_an_open_line_applies_carriage_returns_as_one_part_at_a_time_would(chunk
         fast.write(chunk)
         reference_write(slow, chunk)
         assert (fast.text, fast.returned, fast.live) == (slow.text, slow.returned, slow.live)
+
+
+def test_figures_of_several_ranks_come_together_in_rank_order_where_the_first_was():
+    png = {"data": {"image/png": "AAAA", "text/plain": "<Figure>"}}
+    t = Transcript([0, 1])
+    for r in (1, 0):
+        t.add_text(r, "stdout", f"before {r}\n")
+        t.add_rich(r, png)
+        t.add_text(r, "stdout", f"after {r}\n")
+    got = shown(t.render(figures_together=True))
+    assert got == [
+        ((0,), "stdout", "before 0"),
+        ((0, 1), "figures", [(0, png), (1, png)]),
+        ((0,), "stdout", "after 0"),
+        ((1,), "stdout", "before 1"),
+        ((1,), "stdout", "after 1"),
+    ]
+    one = Transcript([0, 1])
+    one.add_rich(1, png)  # a single rank's figure stays where it is
+    assert shown(one.render(figures_together=True)) == [((1,), "rich", png)]

@@ -238,9 +238,10 @@ class Cell:
     def _can_replay(self) -> bool:
         return getattr(self.printer, "can_replay", lambda: False)()
 
-    def _replay(self) -> bool:
+    def _replay(self, items: list[Item] | None = None) -> bool:
         """Show the whole output again from the transcript, in place of what is shown."""
-        items = self.transcript.render(self.labeler.collapse)
+        if items is None:
+            items = self.transcript.render(self.labeler.collapse)
         self._replay_wanted, self._replayed_at = False, time.monotonic()
         if not self._can_replay():
             return False
@@ -252,10 +253,10 @@ class Cell:
     def render_final(self) -> None:
         """Once every rank's output is in: the cell's output in rank order, identical
         warnings (and with --collapse, identical lines) merged; left as is when that is
-        what shows already."""
-        items = self.transcript.render(self.labeler.collapse)
+        what shows already. Figures of several ranks are shown together, in a grid."""
+        items = self.transcript.render(self.labeler.collapse, figures_together=True)
         if items != self.shown:
-            self._replay()
+            self._replay(items)
         self.files.close()
 
     def tail(self, rank: int, stream: str) -> str:

@@ -3,6 +3,7 @@ cell's streams and IPython's display publisher (a line or a display updated in p
 
 from __future__ import annotations
 
+import html
 import sys
 from typing import Protocol
 
@@ -41,9 +42,32 @@ def show_items(printer: Printer, items: list[Item]) -> None:
         flush()
         if item.kind == "note":
             printer.err(item.payload)
+        elif item.kind == "figures":
+            printer.display("", figure_grid(item.payload))
         else:
             printer.display(rank_label(item.ranks), item.payload)
     flush()
+
+
+def figure_grid(figures: list[tuple[int, dict]]) -> dict:
+    """One display of several ranks' figures side by side, each under its rank's label,
+    wrapping to the notebook's width."""
+    cells = []
+    for rank, output in figures:
+        data = output.get("data") or {}
+        if "image/png" in data:
+            png = data["image/png"].strip()
+            img = f'<img src="data:image/png;base64,{png}" style="max-width:100%">'
+        else:
+            img = data["image/svg+xml"]
+        cells.append(
+            f'<figure style="margin:0"><figcaption style="font-family:monospace">'
+            f"{html.escape(rank_label([rank]))}</figcaption>{img}</figure>"
+        )
+    grid = "display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:8px"
+    plain = f"<figures of {rank_label(sorted({r for r, _ in figures}))[1:-1]}>"
+    return {"data": {"text/html": f'<div style="{grid}">{"".join(cells)}</div>',
+                     "text/plain": plain}, "metadata": {}}  # fmt: skip
 
 
 class TextPrinter:
@@ -127,5 +151,6 @@ class TextPrinter:
         if ip is None or getattr(ip, "display_pub", None) is None or set(data) == {"text/plain"}:
             self.out(prefix_lines(label, data.get("text/plain", "")))  # plain values inline
             return
-        self.out(f"{label}\n")
+        if label:
+            self.out(f"{label}\n")
         ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})

@@ -58,7 +58,8 @@ class OutputPrinter:
         if set(data) == {"text/plain"}:
             self.out(prefix_lines(label, data["text/plain"]))
             return
-        self.out(f"{label}\n")
+        if label:
+            self.out(f"{label}\n")
         self.widget.append_display_data({"data": data, "metadata": output.get("metadata", {})})
 
 
