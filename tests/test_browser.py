@@ -45,7 +45,14 @@ CELLS = [
     "%dist_bench all_reduce --group world tp --sizes 1K:64K --iters 5 --warmup 1 -o df",
     "from infini_notebook import viz\nviz.bench_view(df)",
     "%%dist\nimport time\nprint('sleeping', flush=True)\ntime.sleep(8)\nprint('woke')",
+    # rank 1 raises while the others wait in an all_reduce (caught, so Run All goes on):
+    # the waits are released and the groups rebuilt (issue 33, items 1-3)
+    "try:\n    get_ipython().run_cell_magic('dist', '', 'x = torch.ones(1)\\nif rank == 1:\\n"
+    '    raise ValueError("rank 1 bails out")\\ndist.all_reduce(x)\')\n'
+    "except Exception as e:\n    print('caught', type(e).__name__)\n    print(e)",
+    "%dist_status",
 ]
+SLEEPING_CELL = 6
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
@@ -74,6 +81,7 @@ def test_widgets_render_in_jupyterlab(tmp_path):
             wait_kernel_idle(page)
             run_all_cells(page)
             check_outputs(page, shots)
+            check_failure(page, shots)
             check_contrast(page, shots, "light")
             page.evaluate(
                 "() => window.jupyterapp.commands.execute('apputils:change-theme', "
@@ -106,7 +114,7 @@ def check_outputs(page, shots) -> None:
 
     # The last cell sleeps on every rank: once its ranks print "sleeping" (the kernel still
     # busy with the cell) the tiles must turn busy, and idle again after "woke".
-    last = page.locator(".jp-Notebook .jp-Cell").last
+    last = page.locator(".jp-Notebook .jp-Cell").nth(SLEEPING_CELL)
     last.get_by_text("[rank 3] sleeping").wait_for(timeout=60_000)
     assert "] woke" not in last.inner_text()
     page.locator(".infini-status .infini-state-busy").nth(3).wait_for(timeout=5_000)
@@ -168,6 +176,24 @@ CONTRASTED = [
     ".infini-title",
     ".infini-group-tile",
 ]
+
+
+def check_failure(page, shots) -> None:
+    """After a failure the rebuild fixed: the status says so in words, not in red, and the
+    rank's traceback names the cell as the notebook numbers it (its prompt: [8])."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    failing, status = cells.nth(SLEEPING_CELL + 1), cells.nth(SLEEPING_CELL + 2)
+    failing.get_by_text("caught DistCellError").wait_for(timeout=120_000)
+    assert f"In[{SLEEPING_CELL + 2}], line 3" in failing.inner_text()
+    title = status.locator(".infini-status .infini-title")
+    title.wait_for(timeout=60_000)
+    assert "session rebuilt after a failure on rank 1, variables kept" in title.inner_text()
+    tiles = status.locator(".infini-rank-tile")
+    assert status.locator(".infini-state-idle").count() == 4  # idle, with notes, not red
+    assert "last cell failed: ValueError: rank 1 bails out" in tiles.nth(1).inner_text()
+    assert "last cell released" in tiles.nth(0).inner_text()
+    status.scroll_into_view_if_needed()
+    status.screenshot(path=str(shots / "status_after_failure.png"))
 
 
 def check_contrast(page, shots, theme: str) -> None:
