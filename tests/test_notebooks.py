@@ -59,7 +59,7 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     # spare engines are forked once the session has been idle a second: there or not yet
     (re.compile(r"\s*·\s*\d+ spare engines for the next hard restart"), ""),
     # status tables: 'rank state coords host pid device'; host and pid vary by machine
-    (re.compile(r"\S+\s+\d+\s+(cpu|cuda:\d+)$"), r"HOST PID \1"),
+    (re.compile(r"\S+\s+\d+\s+(cpu|cuda:\d+)(\s+\(.*\))?$"), r"HOST PID \1\2"),  # (its note)
     (re.compile(r"\s+"), " "),  # column widths follow the masked values
 ]
 NUMBER = re.compile(r"-?\d+(\.\d+)?(e[+-]?\d+)?")

@@ -45,13 +45,10 @@ class OutputPrinter:
         return True
 
     def can_replay(self) -> bool:
-        return True  # the widget is this cell's alone
-
-    def replay(self, items) -> None:
-        from ..kernel.printers import show_items
-
-        self.widget.clear_output(wait=True)
-        show_items(self, items)
+        """No: an Output widget emptied and refilled from a background thread is mirrored
+        by JupyterLab, but a notebook executed by nbclient (papermill, CI, our tutorials)
+        keeps both copies. A background cell's output stays in arrival order."""
+        return False
 
     def display(self, label: str, output: dict) -> None:
         data = output.get("data", {})
