@@ -32,7 +32,6 @@ from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
 from .launch.rendezvous import Rendezvous
 
-HARD_FIX = "%dist_restart --hard"
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
 
 log = logging.getLogger("infini_notebook")
@@ -239,7 +238,7 @@ class Session:
         try:
             infos = self.engines.client.gather(pending, what="restart", timeout=60)
         except DistCellError as e:
-            self.book.groups_broken(f"a rebuild failed half way ({e.summary})", HARD_FIX)
+            self.book.groups_broken(f"a rebuild failed half way ({e.summary})", execution.HARD_FIX)
             raise DistCellError(
                 f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
             ) from None
@@ -412,7 +411,8 @@ class Session:
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
-        """Each rank's pid, device and state (idle, busy, error, dead, stuck, stopped)."""
+        """Each rank's pid, device, state (idle, busy, failed, released, died, stuck,
+        stopped) and note."""
         return supervision.status(self)
 
     def session_line(self, states: list[RankState] | None = None) -> str:

@@ -67,10 +67,10 @@ def test_update_display_replaces_only_that_ranks_display_with_that_id():
     t = Transcript([0, 1])
     for r in (0, 1):
         t.add_rich(r, {"data": {"text/html": "v0"}, "transient": {"display_id": "d"}})
-    t.update_display(1, "d", {"data": {"text/html": "v1"}, "transient": {"display_id": "d"}})
+    t.update_display(1, {"data": {"text/html": "v1"}, "transient": {"display_id": "d"}})
     assert t.take_changed()
     assert [i.payload["data"]["text/html"] for i in t.render()] == ["v0", "v1"]
-    t.update_display(0, "other", {"data": {"text/html": "x"}})
+    t.update_display(0, {"data": {"text/html": "x"}, "transient": {"display_id": "other"}})
     assert not t.take_changed()
 
 

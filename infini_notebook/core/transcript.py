@@ -32,7 +32,8 @@ FIGURE_TYPES = ("image/png", "image/svg+xml")
 class Item:
     """One thing shown: ``ranks`` (whose it is), ``kind`` ("stdout"/"stderr": one line;
     "note": text of the kernel's own about that rank, labeled already; "rich": an output
-    dict with "data" and "metadata"), and the payload."""
+    dict with "data" and "metadata"; "figures": ``[(rank, output), ...]``, several ranks'
+    figures shown together), and the payload."""
 
     ranks: tuple[int, ...]
     kind: str
@@ -68,8 +69,9 @@ class Transcript:
         else:
             self._drop(rank)
 
-    def update_display(self, rank: int, display_id: str | None, output: dict) -> None:
-        """Replace the rank's displays shown with ``display_id``."""
+    def update_display(self, rank: int, output: dict) -> None:
+        """Replace the rank's displays shown with ``output``'s display id."""
+        display_id = _display_id(output)
         for i, (kind, shown) in enumerate(self._entries[rank]):
             if kind == "rich" and display_id is not None and _display_id(shown) == display_id:
                 self._entries[rank][i] = ("rich", {**shown, **output})

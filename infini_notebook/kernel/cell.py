@@ -194,9 +194,7 @@ class Cell:
             elif event[0] == "clear":
                 self.transcript.clear(rank, wait=event[1])
             elif event[0] == "update":
-                content = event[1]
-                display_id = (content.get("transient") or {}).get("display_id")
-                self.transcript.update_display(rank, display_id, content)
+                self.transcript.update_display(rank, event[1])
         if final:
             for stream in ("stdout", "stderr"):
                 items += self._lines(rank, stream, self.labeler.complete(rank, stream, "", True))
@@ -238,17 +236,15 @@ class Cell:
     def _can_replay(self) -> bool:
         return getattr(self.printer, "can_replay", lambda: False)()
 
-    def _replay(self, items: list[Item] | None = None) -> bool:
+    def _replay(self, items: list[Item] | None = None) -> None:
         """Show the whole output again from the transcript, in place of what is shown."""
         if items is None:
             items = self.transcript.render(self.labeler.collapse)
         self._replay_wanted, self._replayed_at = False, time.monotonic()
-        if not self._can_replay():
-            return False
-        self.printer.replay(items)
-        self.shown = items
-        self._live_text = ""  # the live display went with the rest
-        return True
+        if self._can_replay():
+            self.printer.replay(items)
+            self.shown = items
+            self._live_text = ""  # the live display went with the rest
 
     def render_final(self) -> None:
         """Once every rank's output is in: the cell's output in rank order, identical

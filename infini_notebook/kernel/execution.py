@@ -35,7 +35,8 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 # torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
 _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 _BACKEND_WORDS = ("gloo", "nccl", "processgroup")
-HARD_RESTART = "Run %dist_restart --hard to bring the session back (variables are lost)."
+HARD_FIX = "%dist_restart --hard"
+HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
 
 
 def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellResult:
@@ -265,8 +266,8 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
     else:
         advice = _advice(s, result)
         if result.timed_out:  # the groups a timed-out collective leaves are unusable
-            fix = "%dist_restart --hard" if soft_restart_fails(s.plan, os.environ) else None
-            s.book.groups_broken("a collective timed out", fix or "%dist_restart")
+            fix = HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
+            s.book.groups_broken("a collective timed out", fix)
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
 
 
@@ -281,8 +282,7 @@ def _rebuild_groups(s) -> str:
     try:
         s.restart(after_failure=True)
     except Exception as e:
-        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})",
-                             "%dist_restart --hard")  # fmt: skip
+        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})", HARD_FIX)
         return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
     return (
         "The process groups were rebuilt (variables kept): `groups` and `mesh` are new; "
