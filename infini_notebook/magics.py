@@ -309,7 +309,7 @@ class DistMagics(Magics):
         and stored under -o NAME.
         Example: df = %dist_bench all_reduce all_gather --group world tp --sizes 4K:64M
         """
-        from IPython.display import Image, display
+        from IPython.display import display
 
         from . import viz
         from .kernel import bench
@@ -344,7 +344,7 @@ class DistMagics(Magics):
         if args.view and "p2p" not in args.collectives:
             display(viz.bench_view(result))  # dropdowns + busbw/algbw toggle
         else:
-            display(Image(data=viz.figure_png(fig), format="png"))
+            display(viz.figure_bundle(fig), raw=True)  # follows the theme
         if args.out:
             self.shell.user_ns[args.out] = result
         return result if self._assigned("dist_bench") else None

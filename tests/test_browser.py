@@ -44,6 +44,7 @@ CELLS = [
     "%dist_groups",
     "%dist_bench all_reduce --group world tp --sizes 1K:64K --iters 5 --warmup 1 -o df",
     "from infini_notebook import viz\nviz.bench_view(df)",
+    "%%dist\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc=f'r{rank}'):\n    pass",
     "%%dist\nimport time\nprint('sleeping', flush=True)\ntime.sleep(8)\nprint('woke')",
     # rank 1 raises while the others wait in an all_reduce (caught, so Run All goes on):
     # the waits are released and the groups rebuilt (issue 33, items 1-3)
@@ -52,7 +53,8 @@ CELLS = [
     "except Exception as e:\n    print('caught', type(e).__name__)\n    print(e)",
     "%dist_status",
 ]
-SLEEPING_CELL = 6
+TQDM_CELL = 6
+SLEEPING_CELL = 7
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
@@ -82,12 +84,15 @@ def test_widgets_render_in_jupyterlab(tmp_path):
             run_all_cells(page)
             check_outputs(page, shots)
             check_failure(page, shots)
+            check_progress_bars(page, shots)
             check_contrast(page, shots, "light")
             page.evaluate(
                 "() => window.jupyterapp.commands.execute('apputils:change-theme', "
                 "{theme: 'JupyterLab Dark'})"
             )
             page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+            # the theme change shows JupyterLab's splash over the page until it is applied
+            page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=30_000)
             check_contrast(page, shots, "dark")
         finally:
             browser.close()
@@ -106,11 +111,11 @@ def check_outputs(page, shots) -> None:
     grid = page.locator(".infini-groups .infini-group-tile")
     grid.nth(3).wait_for(timeout=30_000)
     assert grid.count() == 4
-    plot = page.locator(".jp-OutputArea-output img").first  # %dist_bench's figure
+    plot = page.locator(".jp-OutputArea-output .infini-figure svg").first  # %dist_bench's
     plot.wait_for(timeout=120_000)
-    view = page.locator(".infini-bench img.infini-figure")
+    view = page.locator(".infini-bench .infini-figure svg")
     view.wait_for(timeout=60_000)
-    assert natural_width(plot) > 300 and natural_width(view) > 300
+    assert plot.bounding_box()["width"] > 300 and view.bounding_box()["width"] > 300
 
     # The last cell sleeps on every rank: once its ranks print "sleeping" (the kernel still
     # busy with the cell) the tiles must turn busy, and idle again after "woke".
@@ -131,7 +136,7 @@ def check_outputs(page, shots) -> None:
     for name, selector in [
         ("status", ".jp-OutputArea-output:has(.infini-status)"),
         ("groups", ".jp-OutputArea-output:has(.infini-groups)"),
-        ("bench", ".jp-OutputArea-output:has(img)"),
+        ("bench", ".jp-OutputArea-output:has(.infini-figure)"),
         ("bench_view", ".jp-OutputArea-output:has(.infini-bench)"),
     ]:
         element = page.locator(selector).first
@@ -161,7 +166,8 @@ CONTRAST_JS = """(selectors) => {
   const out = {};
   for (const sel of selectors) {
     for (const el of document.querySelectorAll(sel)) {
-      const bg = behind(el), fg = rgba(getComputedStyle(el).color);
+      const style = getComputedStyle(el);  // SVG text is painted by its fill
+      const bg = behind(el), fg = rgba(el instanceof SVGElement ? style.fill : style.color);
       const text = fg.slice(0, 3).map((c, i) => fg[3] * c + (1 - fg[3]) * bg[i]);
       const [hi, lo] = [lum(text), lum(bg)].sort((a, b) => b - a);
       out[sel] = Math.min(out[sel] ?? 99, (hi + 0.05) / (lo + 0.05));
@@ -175,6 +181,7 @@ CONTRASTED = [
     ".infini-grid-head",
     ".infini-title",
     ".infini-group-tile",
+    ".infini-figure svg text",
 ]
 
 
@@ -205,8 +212,22 @@ def check_contrast(page, shots, theme: str) -> None:
     assert not low, f"{theme} theme: contrast under 4.5:1 {low}"
 
 
-def natural_width(img) -> int:
-    return img.evaluate("el => el.naturalWidth")
+def check_progress_bars(page, shots) -> None:
+    """Issue 33, item 5: each rank's tqdm bar sits on its label's line, in rank order."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(TQDM_CELL)
+    bars = cell.locator(".widget-hbox:has(> .widget-html code)")  # ours: label + bar
+    bars.nth(3).wait_for(timeout=60_000)
+    labels = [bars.nth(r).locator("code").first for r in range(4)]
+    assert [label.inner_text() for label in labels] == [f"[rank {r}]" for r in range(4)]
+    for r, label in enumerate(labels):
+        bar = bars.nth(r).locator(".widget-hprogress").first.bounding_box()
+        box = label.bounding_box()
+        assert box["x"] < bar["x"], (box, bar)  # left of the bar ...
+        assert (
+            abs((box["y"] + box["height"] / 2) - (bar["y"] + bar["height"] / 2)) < bar["height"]
+        ), (box, bar)  # ... on its line
+    cell.scroll_into_view_if_needed()
+    cell.screenshot(path=str(shots / "progress_bars.png"))
 
 
 def write_notebook(path) -> None:

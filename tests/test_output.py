@@ -98,16 +98,31 @@ def test_tqdm_text_bars_update_in_place_and_end_at_100_percent(kernel, ranks):
     assert partial, shown.states  # bars were shown while they ran
 
 
-def test_tqdm_auto_bars_are_forwarded_widgets(kernel, ranks):
+def test_tqdm_auto_bars_are_forwarded_widgets_labeled_on_their_line(kernel, ranks):
+    """Each rank's bar widget reaches the notebook inside a box that starts with its rank's
+    label (issue 33, item 5: not a label line above the bar)."""
     cell = kernel.run(
         "%%dist\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(5), desc=f'r{rank}'):\n"
         "    pass\nprint('after', rank)"
     )
     view = "application/vnd.jupyter.widget-view+json"
     widgets = [o for o in cell.outputs if view in o.get("data", {})]
-    assert len(widgets) >= ranks  # each rank's bar widget reaches the notebook
-    lines = [line for line in stream_lines(cell, "stdout") if "after" in line]
-    assert sorted(lines) == [f"[rank {r}] after {r}" for r in range(ranks)]
+    assert len(widgets) == ranks  # one bar per rank
+    state = kernel.client.widget_state
+    labels = []
+    for output in widgets:
+        box = state[output["data"][view]["model_id"]]
+        assert box["_model_name"] == "HBoxModel", box
+        label, bar = (state[child.removeprefix("IPY_MODEL_")] for child in box["children"])
+        labels.append(label["value"])
+        assert bar["_model_name"] == "HBoxModel" and len(bar["children"]) == 3  # tqdm's bar
+        progress = state[bar["children"][1].removeprefix("IPY_MODEL_")]
+        assert progress["value"] == progress["max"] == 5  # the bar itself runs to the end
+        assert output["metadata"].get("infini_notebook_labeled") is True
+        assert "|" in output["data"]["text/plain"]  # tqdm's text bar, kept for text views
+    assert labels == [f"<code>[rank {r}]</code>" for r in range(ranks)]  # in rank order
+    lines = stream_lines(cell, "stdout")
+    assert sorted(lines) == [f"[rank {r}] after {r}" for r in range(ranks)]  # no label lines
 
 
 # ----- row 3: writes straight to fd 1/2 -------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 import sys
@@ -369,7 +370,7 @@ def test_bench_view_controls_redraw():
     view = viz.bench_view(bench_frame())
     assert view.collective.options == ("all_reduce", "all_gather")
     assert view.group.options == ("all", "tp", "world")
-    assert len(view.figure.axes[0].get_lines()) == 2 and view.image.value[:4] == b"\x89PNG"
+    assert len(view.figure.axes[0].get_lines()) == 2 and "<svg" in view.image.value
     view.group.value = "world"
     assert len(view.figure.axes[0].get_lines()) == 1
     view.metric.value = "algbw_gbps"
@@ -378,7 +379,7 @@ def test_bench_view_controls_redraw():
     view.collective.value = "all_gather"
     assert view.figure.axes[0].get_title() == "all_gather"
     bundle = view._repr_mimebundle_()
-    assert WIDGET in bundle and bundle["text/html"].startswith('<img class="infini-figure"')
+    assert WIDGET in bundle and bundle["text/html"].startswith('<div class="infini-figure"><svg')
     assert "all_gather" in bundle["text/plain"] and "16K" in bundle["text/plain"]
     view.close()
 
@@ -392,8 +393,32 @@ def test_p2p_heatmap_masks_the_diagonal():
     assert ax.get_xlabel() == "dst rank" and ax.get_title() == "send/recv bandwidth, 1MB"
     assert sorted(t.get_text() for t in ax.texts) == ["1", "2"]
     view = viz.bench_view(bench_frame(), p2p=m)
-    assert sum(isinstance(c, viz.widgets.Image) for c in view.children) == 2
+    figures = [c for c in view.children if isinstance(c, viz.widgets.HTML)]
+    assert len(figures) == 2 and all("<svg" in f.value for f in figures)
     view.close()
+
+
+def test_figures_follow_the_notebook_theme():
+    """Issue 33, item 4: text, axes and the legend's box take the theme's colors (CSS
+    variables, so a dark theme gets light text) on a transparent background; the PNG for
+    viewers without HTML is a white card."""
+    import io
+
+    from matplotlib.image import imread
+
+    fig = viz.plot_busbw(bench_frame())
+    svg = viz.figure_svg(fig)
+    assert svg.startswith("<svg ") and "<?xml" not in svg
+    assert viz.bench_plots.FG_MARK not in svg and viz.bench_plots.BG_MARK not in svg
+    assert f"fill: {viz.render.FG}" in svg  # the text
+    assert f"stroke: {viz.render.FG}" in svg  # the axes
+    assert f"fill: {viz.render.BG}" in svg  # the legend's box
+    assert "#ffffff" not in svg.lower()  # no white card behind it
+    assert svg == viz.figure_svg(viz.plot_busbw(bench_frame()))  # a re-run diffs clean
+    bundle = viz.figure_bundle(fig)
+    assert bundle["text/html"] == f'<div class="infini-figure">{svg}</div>'
+    png = imread(io.BytesIO(base64.b64decode(bundle["image/png"])))
+    assert png[0, 0].tolist() == [1.0, 1.0, 1.0, 1.0]  # opaque white corner
 
 
 # --------------------------------------------------------------------------- in a real kernel

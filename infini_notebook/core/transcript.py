@@ -26,6 +26,17 @@ from typing import Any
 WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
 TEXT_KINDS = ("stdout", "stderr")
 FIGURE_TYPES = ("image/png", "image/svg+xml")
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+# In a display's metadata: the rank put its label beside the widget (engine/widget_labels.py)
+LABELED_WIDGET = "infini_notebook_labeled"
+
+
+def display_heading(label: str, output: dict) -> str:
+    """The line a printer writes above a rank's rich display: its label, unless the rank
+    labeled the display itself."""
+    if not label or (output.get("metadata") or {}).get(LABELED_WIDGET):
+        return ""
+    return f"{label}\n"
 
 
 @dataclass(frozen=True)

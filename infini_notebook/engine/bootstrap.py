@@ -24,6 +24,7 @@ from . import (
     threads,
     tuning,
     wait_probe,
+    widget_labels,
 )
 from .postmortem import failing_frame, post_mortem, remember_failures, run_in_frame
 from .rank_services import (
@@ -86,6 +87,7 @@ def bootstrap(cfg: dict) -> dict:
     output_streams.install(get_ipython())
     cell_names.install(get_ipython())
     cell_end.install(get_ipython())
+    widget_labels.install(get_ipython())
     import torch
 
     threads.apply(cfg["threads"])

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from ..core.output import prefix_lines
 from ..core.ranks import rank_label
-from ..core.transcript import TEXT_KINDS, Item
+from ..core.transcript import TEXT_KINDS, Item, display_heading
 
 
 class Printer(Protocol):
@@ -151,6 +151,5 @@ class TextPrinter:
         if ip is None or getattr(ip, "display_pub", None) is None or set(data) == {"text/plain"}:
             self.out(prefix_lines(label, data.get("text/plain", "")))  # plain values inline
             return
-        if label:
-            self.out(f"{label}\n")
+        self.out(display_heading(label, output))
         ip.display_pub.publish(data=data, metadata=output.get("metadata") or {})

@@ -42,7 +42,7 @@ _EXPORTS = {
     "progress": ("OutputPrinter", "Progress", "in_kernel"),
     "bench_plots": (
         "BenchView", "FIGURE_DPI", "METRICS", "bench_curves", "bench_summary", "bench_view",
-        "figure_html", "figure_png", "p2p_heatmap", "plot_busbw",
+        "figure_bundle", "figure_html", "figure_png", "figure_svg", "p2p_heatmap", "plot_busbw",
     ),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -1,6 +1,12 @@
 """Benchmark figures (matplotlib, imported when drawn): bandwidth curves per group kind, the
-p2p sender x receiver heatmap, PNG/HTML of a figure, and ``BenchView``, the widget that
-switches collective, group and metric."""
+p2p sender x receiver heatmap, a figure as a display that follows the notebook's theme, and
+``BenchView``, the widget that switches collective, group and metric.
+
+Figures follow the theme: they are drawn on a transparent background with stand-in colors for
+text, axes and the legend's box, and shown as inline SVG in which those stand-ins become the
+theme's CSS variables (``render.FG``/``BG``): dark text on a light notebook, light on a dark
+one. A PNG on a white card goes beside it for viewers that show no HTML.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +18,26 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from .render import size_label
+from .render import BG, FG, size_label
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
 FIGURE_DPI = 100
+# Stand-ins, swapped in the SVG for the theme's text and background colors; off the palette
+# and the colormaps so nothing else is drawn in them.
+FG_MARK, BG_MARK = "#010203", "#fefdfc"
+_TEXT_AND_LINES = (
+    "text.color", "axes.labelcolor", "axes.edgecolor", "xtick.color", "ytick.color",
+    "grid.color", "legend.edgecolor",
+)  # fmt: skip
+THEMED_RC = dict.fromkeys(_TEXT_AND_LINES, FG_MARK) | {
+    "legend.facecolor": BG_MARK,
+    "figure.facecolor": "none",
+    "axes.facecolor": "none",
+}
+SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "infini"}  # text as text; stable ids
 METRICS = {"busbw_gbps": "busbw (GB/s)", "algbw_gbps": "algbw (GB/s)"}
 
 
@@ -44,21 +63,23 @@ def plot_busbw(
 ) -> Figure:
     """Bandwidth against message size, one panel per collective (or just ``collective``),
     one line per group kind; shading spans the groups of a kind when they differ."""
+    from matplotlib import rc_context
     from matplotlib.figure import Figure
 
     collectives = [collective] if collective else list(dict.fromkeys(df["collective"]))
     ncols = min(3, max(1, len(collectives)))
     nrows = math.ceil(len(collectives) / ncols) if collectives else 1
-    fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, name in zip(axes, collectives):
-        _plot_curves(ax, bench_curves(df, name, metric, group), metric)
-        ax.set_title(name)
-    for ax in axes[len(collectives) :]:
-        ax.set_visible(False)
-    if not collectives:
-        axes[0].text(0.5, 0.5, "no benchmark rows", ha="center", va="center")
-    return fig
+    with rc_context(THEMED_RC):  # artists take their colors when made
+        fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+        for ax, name in zip(axes, collectives):
+            _plot_curves(ax, bench_curves(df, name, metric, group), metric)
+            ax.set_title(name)
+        for ax in axes[len(collectives) :]:
+            ax.set_visible(False)
+        if not collectives:
+            axes[0].text(0.5, 0.5, "no benchmark rows", ha="center", va="center")
+    return _settled(fig)
 
 
 def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
@@ -91,6 +112,21 @@ def p2p_heatmap(
     array; NaN diagonal left blank): a slow link is a dark cell, a slow rank a dark row and
     column. Values are printed in the cells up to 16 ranks. ``hosts`` (one per rank): white
     lines fence each host's block, so intra-node pairs sit on the diagonal blocks."""
+    from matplotlib import rc_context
+
+    with rc_context(THEMED_RC):
+        return _settled(_heatmap(matrix, title, hosts))
+
+
+def _settled(fig: Figure) -> Figure:
+    """Constrained layout moves the axes a little on every draw: lay out once and keep it,
+    so a figure's PNG and SVG agree and a re-run notebook diffs clean."""
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    return fig
+
+
+def _heatmap(matrix: Any, title: str | None, hosts: Sequence[str] | None) -> Figure:
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -111,8 +147,8 @@ def p2p_heatmap(
     if hosts is not None and len(set(hosts)) > 1:
         for i in range(n - 1):
             if hosts[i] != hosts[i + 1]:
-                ax.axhline(i + 0.5, color="white", linewidth=2)
-                ax.axvline(i + 0.5, color="white", linewidth=2)
+                ax.axhline(i + 0.5, color=BG_MARK, linewidth=2)  # a gap in any theme
+                ax.axvline(i + 0.5, color=BG_MARK, linewidth=2)
     if n <= 16 and np.isfinite(values).any():
         top = np.nanmax(values)
         for (i, j), v in np.ndenumerate(values):
@@ -123,14 +159,38 @@ def p2p_heatmap(
 
 
 def figure_png(fig: Figure, dpi: int = FIGURE_DPI) -> bytes:
+    """The figure on a white card (the stand-in colors read as black and white)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
     return buf.getvalue()
 
 
+def figure_svg(fig: Figure) -> str:
+    """The figure as an ``<svg>`` element to put in HTML, its text and axes in the theme's
+    colors (matplotlib writes colors as CSS in ``style`` attributes, where ``var()`` works)."""
+    from matplotlib import rc_context
+
+    buf = io.StringIO()
+    with rc_context(SVG_RC):
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg") :]  # no XML prolog inside HTML
+    svg = svg.replace(FG_MARK, FG).replace(BG_MARK, BG)
+    return svg.replace("<svg ", '<svg style="max-width:100%;height:auto" ', 1)
+
+
 def figure_html(fig: Figure) -> str:
-    data = base64.b64encode(figure_png(fig)).decode()
-    return f'<img class="infini-figure" src="data:image/png;base64,{data}">'
+    return f'<div class="infini-figure">{figure_svg(fig)}</div>'
+
+
+def figure_bundle(fig: Figure) -> dict:
+    """A display of the figure (``display(bundle, raw=True)``): the theme-following SVG for
+    notebooks, the PNG for viewers without HTML."""
+    return {
+        "text/html": figure_html(fig),
+        "image/png": base64.b64encode(figure_png(fig)).decode(),
+        "text/plain": f"<Figure size {fig.get_figwidth():g}x{fig.get_figheight():g} in>",
+    }
 
 
 def bench_summary(df: pd.DataFrame, metric: str = "busbw_gbps") -> pd.DataFrame:
@@ -143,8 +203,8 @@ def bench_summary(df: pd.DataFrame, metric: str = "busbw_gbps") -> pd.DataFrame:
 
 class BenchView(widgets.VBox):
     """Benchmark rows as a widget: pick the collective and group kind, busbw or algbw; the
-    figure (a PNG image widget) redraws on each change. ``p2p``: optional sender x receiver
-    matrix shown as a heatmap below."""
+    figure (inline SVG in the theme's colors) redraws on each change. ``p2p``: optional
+    sender x receiver matrix shown as a heatmap below."""
 
     def __init__(self, df: pd.DataFrame, p2p: Any = None):
         self.df = df
@@ -156,16 +216,11 @@ class BenchView(widgets.VBox):
         self.metric = widgets.ToggleButtons(
             options=[("busbw", "busbw_gbps"), ("algbw", "algbw_gbps")], value="busbw_gbps"
         )
-        self.image = widgets.Image(format="png")
-        self.image.add_class("infini-figure")
+        self.image = widgets.HTML()
         self.figure: Figure | None = None
         children = [widgets.HBox([self.collective, self.group, self.metric]), self.image]
         if p2p is not None:
-            heat_fig = p2p_heatmap(p2p)
-            heat = widgets.Image(value=figure_png(heat_fig), format="png")
-            heat.layout.width = f"{int(heat_fig.get_figwidth() * FIGURE_DPI)}px"
-            heat.add_class("infini-figure")
-            children.append(heat)
+            children.append(widgets.HTML(figure_html(p2p_heatmap(p2p))))
         super().__init__(children)
         self.add_class("infini-bench")
         for control in (self.collective, self.group, self.metric):
@@ -176,9 +231,7 @@ class BenchView(widgets.VBox):
         self.figure = plot_busbw(
             self.df, self.collective.value, self.metric.value, self.group.value
         )
-        self.image.value = figure_png(self.figure)
-        width = int(self.figure.get_figwidth() * FIGURE_DPI)
-        self.image.layout.width = f"{width}px"  # natural size: a stretched PNG reads badly
+        self.image.value = figure_html(self.figure)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         bundle = super()._repr_mimebundle_(**kwargs) or {}

@@ -8,6 +8,7 @@ import time
 import ipywidgets as widgets
 
 from ..core.output import prefix_lines
+from ..core.transcript import display_heading
 from .render import esc
 
 
@@ -55,8 +56,7 @@ class OutputPrinter:
         if set(data) == {"text/plain"}:
             self.out(prefix_lines(label, data["text/plain"]))
             return
-        if label:
-            self.out(f"{label}\n")
+        self.out(display_heading(label, output))
         self.widget.append_display_data({"data": data, "metadata": output.get("metadata", {})})
 
 

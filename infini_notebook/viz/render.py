@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..core.ranks import format_ranks
+from ..core.transcript import WIDGET_MIME as WIDGET_MIME  # viz.WIDGET_MIME
 
 
 class LayoutLike(Protocol):
@@ -35,7 +36,6 @@ class LayoutLike(Protocol):
     def group_of(self, rank: int, kind: str) -> list[int]: ...
 
 
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # Soft colors so black text stays readable; neighbouring groups get clearly different hues.
 PALETTE = (
     "#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69", "#fccde5", "#ffed6f",
