@@ -52,9 +52,20 @@ CELLS = [
     '    raise ValueError("rank 1 bails out")\\ndist.all_reduce(x)\')\n'
     "except Exception as e:\n    print('caught', type(e).__name__)\n    print(e)",
     "%dist_status",
+    # run once the checks above are done (a %dist_status widget is live): a collective times
+    # out on a group with a 3 s timeout, so the groups are not whole and a bench is refused
+    "%%dist\nimport time\nfrom datetime import timedelta\n"
+    "quick = dist.new_group(timeout=timedelta(seconds=3))\n"
+    "if rank == 0:\n    dist.all_reduce(torch.ones(1), group=quick)\nelse:\n    time.sleep(6)",
+    "%dist_bench all_reduce --sizes 1K --iters 1",
+    "%dist_status",
+    "%dist_restart",
+    "%%dist\nprint('back', rank)",
 ]
 TQDM_CELL = 6
 SLEEPING_CELL = 7
+TIMEOUT_CELL = 10  # the cells from here on run after the first checks
+RESTART_CELL = 13  # and these after the refusal's
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
@@ -81,10 +92,14 @@ def test_widgets_render_in_jupyterlab(tmp_path):
             page.goto(f"{url}/lab/tree/widgets.ipynb?reset&token={url.token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             wait_kernel_idle(page)
-            run_all_cells(page)
+            run_cells(page, 0, TIMEOUT_CELL)
             check_outputs(page, shots)
             check_failure(page, shots)
             check_progress_bars(page, shots)
+            run_cells(page, TIMEOUT_CELL, RESTART_CELL)
+            check_refusal(page, shots)
+            run_cells(page, RESTART_CELL, len(CELLS))
+            check_restart(page)
             check_contrast(page, shots, "light")
             page.evaluate(
                 "() => window.jupyterapp.commands.execute('apputils:change-theme', "
@@ -203,6 +218,32 @@ def check_failure(page, shots) -> None:
     status.screenshot(path=str(shots / "status_after_failure.png"))
 
 
+def check_refusal(page, shots) -> None:
+    """Issue 33, item 1: after a collective timed out the groups are not whole; the bench is
+    refused at once in one line naming the fix, the status says so, and %dist_restart
+    brings the session back."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    bench, status = cells.nth(TIMEOUT_CELL + 1), cells.nth(TIMEOUT_CELL + 2)
+    bench.get_by_text("The process groups are not whole").wait_for(timeout=120_000)
+    text = bench.locator(".jp-OutputArea").inner_text()
+    assert "a collective timed out. Run %dist_restart" in text, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) <= 2, text
+    assert bench.locator(".jp-OutputArea .infini-figure").count() == 0  # nothing ran
+    title = status.locator(".infini-status .infini-title")
+    title.wait_for(timeout=30_000)
+    assert "session needs %dist_restart: a collective timed out" in title.inner_text()
+    tiles = status.locator(".infini-rank-tile")
+    assert "failed" in tiles.nth(0).inner_text() and "Timed out" in tiles.nth(0).inner_text()
+    assert "bails out" not in tiles.nth(1).inner_text()  # that was two cells ago
+    status.scroll_into_view_if_needed()
+    status.screenshot(path=str(shots / "status_groups_broken.png"))
+
+
+def check_restart(page) -> None:
+    back = page.locator(".jp-Notebook .jp-Cell").nth(RESTART_CELL + 1)
+    back.get_by_text("[rank 3] back 3").wait_for(timeout=120_000)
+
+
 def check_contrast(page, shots, theme: str) -> None:
     """Issue 33, item 4: text keeps 4.5:1 in JupyterLab's light and dark themes."""
     got = page.evaluate(CONTRAST_JS, CONTRASTED)
@@ -247,11 +288,20 @@ def wait_kernel_idle(page) -> None:
     )
 
 
-def run_all_cells(page) -> None:
-    """Run > Run All Cells, through the command the menu item calls."""
-    page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('notebook:run-all-cells')")
-    # Not awaited: the command's promise settles only when the last cell is done.
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+def run_cells(page, first: int, end: int) -> None:
+    """Run cells ``first`` to ``end - 1`` one after the other, as Shift+Enter would."""
+    page.wait_for_function("() => window.jupyterapp?.commands.hasCommand('notebook:run-cell')")
+    # Not awaited here: each command's promise settles only when its cell is done.
+    page.evaluate(
+        """([first, end]) => { (async () => {
+          const notebook = window.jupyterapp.shell.currentWidget.content;
+          for (let i = first; i < end; i++) {
+            notebook.activeCellIndex = i;
+            await window.jupyterapp.commands.execute('notebook:run-cell');
+          }
+        })(); }""",
+        [first, end],
+    )
 
 
 class LabURL(str):

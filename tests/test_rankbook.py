@@ -48,6 +48,18 @@ def test_a_failed_rank_shows_error_until_a_cell_works_on_it():
     assert states(snapshot(book)) == ["idle", "idle"]
 
 
+def test_a_rank_that_ran_a_failing_cell_through_loses_its_old_note():
+    """Rank 1 failed a cell, the rebuild worked (a note on its tile); in the next cell rank 0
+    fails and rank 1 runs through: its tile no longer speaks of the old failure."""
+    book = book_of(2)
+    book.cell_ended([0, 1], failed={1: "ValueError: boom"})
+    book.groups_rebuilt()
+    assert snapshot(book)[1].note == "last cell failed: ValueError: boom"
+    book.cell_ended([0, 1], failed={0: "RuntimeError: timed out"})
+    rows = snapshot(book)
+    assert states(rows) == ["failed", "idle"] and rows[1].note == ""
+
+
 def test_stuck_ranks_add_up_and_go_once_their_engine_is_free():
     book = book_of(4)
     book.add_stuck([1])

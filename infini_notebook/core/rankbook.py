@@ -69,18 +69,17 @@ class RankBook:
     ) -> None:
         """A cell on ``ranks`` ended; ``failed`` raised in it ({rank: one-line error}) and
         ``released`` were freed from a wait on one that did ({rank: what it waited for}).
-        They show as failed and released until a cell that works on them."""
+        They show as failed and released until a cell that works on them; the others of
+        ``ranks`` ran it through, and lose what an earlier cell left on their tiles."""
         failed = failed if isinstance(failed, dict) else dict.fromkeys(failed, "")
         released = released or {}
         with self._lock:
-            if failed or released:
-                self._failed.update(failed)
-                self._released.update(released)
-                return
-            for r in ranks:
+            for r in set(ranks) - set(failed) - set(released):
                 self._failed.pop(r, None)
                 self._released.pop(r, None)
                 self._notes.pop(r, None)
+            self._failed.update(failed)
+            self._released.update(released)
             if not self._failed and not self._released:
                 self._rebuilt = ""
 
