@@ -392,6 +392,20 @@ class Session:
             TextPrinter(echo).out("".join(shown))
         return out
 
+    def debug(self, ranks: str | list[int] | None = None) -> None:
+        """pdb post-mortem in the failing frame of each rank that failed in the last cell
+        (or ``ranks`` of those), at the notebook's input box, one rank's prompts at a time.
+        The last cell stays the one inspected: ``debug`` and ``post_mortem`` work again."""
+        self.require_running()
+        self.background.refuse("%dist_debug")
+        targets = self._failed_ranks(ranks)
+        last = self.last
+        try:  # no process group is used: a session whose groups broke can debug too
+            execution.run(self, postmortem.DEBUG_CELL, targets, False, None,
+                          TextPrinter(True, owns_cell=True), needs_groups=False)  # fmt: skip
+        finally:
+            self.last = last
+
     def _failed_ranks(self, ranks: str | list[int] | None) -> list[int]:
         """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""
         failed = sorted(self.last.errors) if self.last is not None else []

@@ -422,22 +422,27 @@ class DistMagics(Magics):
 
     # ----- post-mortem --------------------------------------------------------------------
     @magic_arguments()
-    @argument("--ranks", "-r", default=None, help="only these of the failed ranks (cell form)")
+    @argument("--ranks", "-r", default=None, help="only these of the failed ranks")
     @argument("code", nargs="*", help="line form: the code to run (the cell form runs its body)")
     @line_cell_magic
     def dist_debug(self, line: str, cell: str | None = None):
-        """Post-mortem: run code in the frame where the last cell failed (its locals and
-        globals, the innermost frame of your own code) on each rank that failed, output
-        labeled per rank. Line form: %dist_debug print(x, y). Cell form:
-        %%dist_debug [--ranks 1], with the code as the cell body.
+        """Post-mortem of the last cell that failed, on each rank that failed (or --ranks).
+        With no code: pdb in the failing frame (the innermost of your own code), at the
+        notebook's input box, one rank at a time (c or q ends it). With code: run it in that
+        frame, output labeled per rank. %dist_debug [--ranks 1] | %dist_debug print(x, y)
+        | a %%dist_debug [--ranks 1] cell with the code as its body.
         """
-        if cell is None:  # all of the line is code: no flag parsing
+        flags_only = cell is None and (not line.strip() or line.lstrip().startswith("-"))
+        if cell is None and not flags_only:  # all of the line is code: no flag parsing
             code, ranks = line, None
         else:
             args = parse_argstring(self.dist_debug, line)
             if args.code:
-                raise DistUsageError("%%dist_debug takes only --ranks; put the code in the cell.")
-            code, ranks = cell, args.ranks
+                raise DistUsageError(
+                    "%dist_debug --ranks 1 opens pdb; to run code there, put it in a "
+                    "%%dist_debug --ranks 1 cell."
+                )
+            code, ranks = cell or "", args.ranks
         if not code.strip():
-            raise DistUsageError("Give code to run: %dist_debug print(x), or a %%dist_debug cell.")
+            return _session().debug(ranks)
         _session().post_mortem(code, ranks)

@@ -235,10 +235,17 @@ class RankValues(dict):
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
+def left_debugger(e: BaseException) -> bool:
+    """The user ended a rank's debugger (pdb's q, or Stop at its prompt): no traceback."""
+    return getattr(e, "ename", type(e).__name__) == "BdbQuit"
+
+
 def one_line(e: BaseException) -> str:
     ename = getattr(e, "ename", type(e).__name__)
     evalue = _SOURCE_PREFIX.sub("", str(getattr(e, "evalue", str(e))).strip())
     first = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
+    if left_debugger(e):
+        return f"left the debugger ({first or 'q'})"
     return f"{ename}: {first}" if first else ename
 
 

@@ -23,6 +23,7 @@ class RankBook:
         self._lock = threading.Lock()
         self._rows: list[RankState] = []
         self._busy: set[int] = set()
+        self._prompting: set[int] = set()  # ranks waiting at an input box for the user
         self._idle_since = time.monotonic()  # when a rank was last busy (see idle_for)
         self._failed: dict[int, str] = {}  # rank -> its one-line error
         self._released: dict[int, str] = {}  # rank -> what it waited for when released
@@ -49,6 +50,14 @@ class RankBook:
             else:
                 self._busy -= set(ranks)
             self._idle_since = time.monotonic()
+
+    def set_prompt(self, rank: int, waiting: bool) -> None:
+        """``rank`` waits at an input box for the user (a busy rank, not a hung one)."""
+        with self._lock:
+            if waiting:
+                self._prompting.add(rank)
+            else:
+                self._prompting.discard(rank)
 
     def busy(self) -> set[int]:
         with self._lock:
@@ -161,11 +170,12 @@ class RankBook:
         exit_code: Callable[[int], int | None],
     ) -> list[RankState]:
         """Each rank's row brought up to date: telemetry, then its state (stopped, dead,
-        stuck, busy, error, idle). A dead rank's exit code is looked up once. Returns
-        copies: a caller keeping one (``before = session.status()``) compares it with a
-        later call, which would otherwise change it too."""
+        stuck, at a prompt, busy, failed, released, idle). A dead rank's exit code is
+        looked up once. Returns copies: a caller keeping one (``before =
+        session.status()``) compares it with a later call, which would otherwise change it
+        too."""
         with self._lock:
-            busy, rows = set(self._busy), list(self._rows)
+            busy, rows, prompting = set(self._busy), list(self._rows), set(self._prompting)
             failed, released, notes = dict(self._failed), dict(self._released), dict(self._notes)
         for rs in rows:
             for name, value in telemetry.get(rs.rank, {}).items():
@@ -179,6 +189,8 @@ class RankBook:
                 rs.state = "died"
             elif rs.rank in stuck:
                 rs.state = "stuck"
+            elif rs.rank in prompting:
+                rs.state = "prompt"
             elif rs.rank in busy:
                 rs.state = "busy"
             elif rs.rank in failed:

@@ -18,7 +18,8 @@ class RankState:
     host: str
     device: str
     device_name: str
-    # idle, busy, failed (raised), released (freed from a wait on a rank that failed),
+    # idle, busy, prompt (at an input box), failed (raised), released (freed from a wait on
+    # a rank that failed),
     # died, stuck (ignores interrupts and releases), stopped
     state: str
     coords: dict = field(default_factory=dict)

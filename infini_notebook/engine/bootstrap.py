@@ -21,6 +21,7 @@ from . import (
     output_streams,
     rank_services,
     shm_transport,
+    stdin_relay,
     threads,
     tuning,
     wait_probe,
@@ -88,6 +89,7 @@ def bootstrap(cfg: dict) -> dict:
     cell_names.install(get_ipython())
     cell_end.install(get_ipython())
     widget_labels.install(get_ipython())
+    stdin_relay.install(getattr(get_ipython(), "kernel", None), cfg)
     import torch
 
     threads.apply(cfg["threads"])

@@ -87,6 +87,11 @@ def finish(succeeded: bool) -> BaseException | None:
     return error
 
 
+def in_cell() -> bool:
+    """Whether a cell's code runs on this rank now (not a pull, a bench, or nothing)."""
+    return _state["in_cell"]
+
+
 def release(why: str, interrupt: bool) -> bool:
     """From the answering thread, as this rank's wait is released: the running cell fails
     with ``why``; with ``interrupt``, at once (NCCL: a sync may return normally after the

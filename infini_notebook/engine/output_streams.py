@@ -50,6 +50,7 @@ class Pipe:
         self._late_lock = threading.Lock()  # threads add, the cell's thread takes
         self.late: list[str] = []
         self.late_chars = self.dropped = 0
+        self.forwarded = 0  # characters handed to ipykernel for the running cell
         stream.write = self.route
 
     def route(self, text: str):
@@ -66,6 +67,7 @@ class Pipe:
         if me != self.cell.get("thread") and self._for_ended_cell(me):
             self._keep_late(text)
             return len(text)
+        self.forwarded += len(text)
         return self.write(text)
 
     def idle(self) -> bool:
@@ -117,7 +119,9 @@ class Pipe:
         text = settle(late).rstrip("\n")
         if dropped:
             text += f"\n... {dropped} more characters written after the cell ended"
-        self.write("".join(f"{LATE}{line}\n" for line in text.split("\n")))
+        text = "".join(f"{LATE}{line}\n" for line in text.split("\n"))
+        self.forwarded += len(text)
+        self.write(text)
 
 
 def install(shell) -> list[str]:
@@ -139,6 +143,12 @@ def install(shell) -> list[str]:
         shell.events.register(event, hook)
     _state.update(installed=["fd sync", "late output"], pipes=pipes, libc=libc, hooks=hooks)
     return _state["installed"]
+
+
+def sent() -> dict[str, int]:
+    """Characters of stdout and stderr the running cell has sent so far (the kernel shows
+    them all before a prompt of this rank's, see stdin_relay); empty where not counted."""
+    return {pipe.stream.name: pipe.forwarded for pipe in _state.get("pipes", [])}
 
 
 def installed() -> list[str]:
@@ -196,6 +206,7 @@ def _cell_started(cell: dict, pipes: list[Pipe]) -> None:
     header = pipes[0].stream.parent_header
     cell.update(msg_id=header.get("msg_id"), thread=threading.get_ident())
     for pipe in pipes:
+        pipe.forwarded = 0
         pipe.show_late()
 
 

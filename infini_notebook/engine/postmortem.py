@@ -16,6 +16,8 @@ def remember_failures() -> None:
     from IPython import get_ipython
 
     def after_cell(result) -> None:
+        if _FAILURES.pop("keep", False):  # a post-mortem's own cell: not the user's
+            return
         _FAILURES["failure"] = result.error_in_exec or result.error_before_exec
 
     get_ipython().events.register("post_run_cell", after_cell)
@@ -25,6 +27,42 @@ def remember_failures() -> None:
 def post_mortem(code: str) -> str:
     """Run ``code`` in the frame where this rank's last cell failed; its printed output
     (and the last expression's repr) come back as text."""
+    _, frame = _last_failure()
+    return run_in_frame(code, frame)
+
+
+# The cell %dist_debug runs on a rank for an interactive post-mortem
+DEBUG_CELL = "import infini_notebook.engine.postmortem as _pm; _pm.debug_last_failure(); del _pm"
+
+
+def debug_last_failure() -> None:
+    """pdb post-mortem of this rank's last failed cell, starting in its failing frame
+    (``%dist_debug`` with no code). Runs as a cell of its own, whose prompts the notebook
+    answers (stdin_relay); the failure stays for the next post-mortem."""
+    import bdb
+    import pdb
+
+    error, frame = _last_failure()
+    _FAILURES["keep"] = True
+
+    class AtFailingFrame(pdb.Pdb):
+        def setup(self, f, tb):
+            super().setup(f, tb)
+            for i, (entry, _) in enumerate(self.stack):
+                if entry is frame:  # not the innermost (torch's): the user's own line
+                    self.curindex, self.curframe = i, entry
+                    self.curframe_locals = entry.f_locals
+
+    debugger = AtFailingFrame()
+    debugger.reset()
+    try:
+        debugger.interaction(None, error.__traceback__)
+    except bdb.BdbQuit:  # q: the post-mortem is over, nothing failed
+        pass
+
+
+def _last_failure():
+    """This rank's last failure and the frame to inspect it in."""
     from IPython import get_ipython
 
     error = _FAILURES.get("failure")
@@ -34,7 +72,7 @@ def post_mortem(code: str) -> str:
     frame = failing_frame(error.__traceback__, lambda f: compiler.format_code_name(f) is not None)
     if frame is None:  # a SyntaxError: the cell never ran
         raise RuntimeError(f"the last cell failed before running ({type(error).__name__})")
-    return run_in_frame(code, frame)
+    return error, frame
 
 
 def failing_frame(tb, is_cell_file):

@@ -67,6 +67,7 @@ class Cell:
         self._replayed_at = 0.0
         self._dirty_lock = threading.Lock()
         self.heard_at = time.monotonic()  # when the last output message arrived
+        self.received = {(r, name): 0 for r in targets for name in ("stdout", "stderr")}
         self._callbacks = {}
         for r, f in self.futures.items():
             self._callbacks[r] = functools.partial(self._on_message, r)
@@ -116,7 +117,30 @@ class Cell:
 
     def _text_came(self, rank: int, name: str, text: str) -> None:
         self.files.write(rank, name, text)
+        self.received[(rank, name)] += len(text)
         self._events[rank].append(("text", name, text))
+
+    def msg_id(self, rank: int) -> str | None:
+        """The id of the execute request this cell sent ``rank``."""
+        return getattr(self.futures[rank], "msg_id", None)
+
+    def wait_for_text(self, rank: int, sent: dict[str, int], timeout: float) -> bool:
+        """Until ``rank``'s text has come as far as it had sent (``{"stdout": chars}``,
+        counted since the cell started, see engine/output_streams.sent), or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while any(self.received.get((rank, name), 0) < n for name, n in sent.items()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def input_given(self, rank: int, line: str) -> None:
+        """A prompt of ``rank`` and what the user answered, kept in the rank's output where
+        it was asked (the input box's own echo goes when the cell's output is replayed)."""
+        with self._dirty_lock:
+            self._events[rank].append(("input", line))
+            self.dirty.add(rank)
+        self.changed.set()
 
     def wait_for_trailing_output(self, alive=None) -> None:
         """iopub trails the replies: wait for each replied rank's output to end (its idle
@@ -195,6 +219,8 @@ class Cell:
                 self.transcript.clear(rank, wait=event[1])
             elif event[0] == "update":
                 self.transcript.update_display(rank, event[1])
+            elif event[0] == "input":  # shown by the front end already: kept, not shown
+                self.transcript.add_text(rank, "stdout", event[1] + "\n")
         if final:
             for stream in ("stdout", "stderr"):
                 items += self._lines(rank, stream, self.labeler.complete(rank, stream, "", True))

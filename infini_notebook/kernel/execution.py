@@ -5,6 +5,7 @@ written through its owners (the RankBook, the client) and ``session.last``."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from ..core.output import (
     StreamLabeler,
     error_report,
     error_summary,
+    left_debugger,
     main_thread_stack,
     one_line,
     remote_traceback,
@@ -26,6 +28,7 @@ from ..launch.client import CONTROLLER_GONE
 from . import supervision
 from .cell import Cell
 from .output_files import OutputFiles
+from .prompts import Prompts
 from .wait_watch import WaitWatch
 
 INTERRUPT_GRACE_S = 3.0
@@ -39,11 +42,14 @@ HARD_FIX = "%dist_restart --hard"
 HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
 
 
-def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellResult:
+def run(
+    s, code: str, targets: list[int], collapse, max_lines, printer, needs_groups: bool = True
+) -> CellResult:
     dead = supervision.dead_ranks(s, targets)
     if dead:
         raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
-    s.require_whole()
+    if needs_groups:
+        s.require_whole()
     refuse_stuck(s, targets)
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
@@ -55,10 +61,11 @@ def run(s, code: str, targets: list[int], collapse, max_lines, printer) -> CellR
         ar = _execute(s.engines.view(targets), code, name)
     cell = Cell(ar, targets, labeler, printer, files)
     watch = WaitWatch(s, cell, name)
+    prompts = Prompts(s, cell, on_answer=watch.human_answered)
     s.book.set_busy(targets, True)
     try:
         try:
-            follow(s, cell, watch)
+            follow(s, cell, watch, prompts)
         except KeyboardInterrupt:
             stuck = interrupt_stuck(s, cell)
             cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
@@ -126,13 +133,15 @@ def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) 
     return parse_ranks(ranks, s.world_size)
 
 
-def follow(s, cell: Cell, watch: WaitWatch) -> None:
-    """Show output as it arrives and each rank idle as soon as it is; notice ranks that
-    fail or die while others run, and release the waits that can never finish (watch)."""
+def follow(s, cell: Cell, watch: WaitWatch, prompts: Prompts | None = None) -> None:
+    """Show output as it arrives and each rank idle as soon as it is; answer the ranks'
+    prompts; notice ranks that fail or die while others run, and release the waits that
+    can never finish (watch)."""
     t0 = last_check = time.monotonic()
     running = set(cell.targets)
     while running:
-        pause = min(DEAD_CHECK_S, max(0.01, watch.next_wake() - time.monotonic()))
+        wake = min(watch.next_wake(), prompts.next_poll if prompts else math.inf)
+        pause = min(DEAD_CHECK_S, max(0.01, wake - time.monotonic()))
         if cell.changed.wait(pause):
             cell.changed.clear()  # before reading: a later message wakes the next wait
         finished = {r for r in running if cell.done(r)}
@@ -156,6 +165,8 @@ def follow(s, cell: Cell, watch: WaitWatch) -> None:
         # the same time arrive together and can be merged.
         if not cell.labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
             cell.show(final=False)
+        if prompts is not None and running:
+            prompts.serve()  # parks here while the user types: nothing is released
         stuck = watch.tick(running)
         if stuck:  # released, yet still waiting: native code that ignores the release
             running -= stuck
@@ -192,7 +203,8 @@ def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellRes
         if isinstance(reply, BaseException):
             result.errors[r] = one_line(reply)
             shown = r in watch.shown_live or watch.gone.get(r) == "released"
-            if not _engine_died(reply) and not shown:  # EngineError: ipyparallel's traceback
+            quiet = _engine_died(reply) or left_debugger(reply)  # EngineError: ipyparallel's
+            if not quiet and not shown:
                 tracebacks[r] = remote_traceback(reply)
             if _collective_timed_out(reply):
                 result.timed_out.append(r)

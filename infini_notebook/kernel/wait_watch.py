@@ -10,7 +10,7 @@ import logging
 import time
 
 from ..core import waits
-from ..core.output import one_line, remote_traceback
+from ..core.output import left_debugger, one_line, remote_traceback
 from ..core.ranks import rank_label
 from . import supervision
 
@@ -136,7 +136,8 @@ class WaitWatch:
             return
         for r in sorted(due):
             reply = self.cell.futures[r].result()
-            self.cell.note(r, f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
+            if not left_debugger(reply):  # its one line in the cell's error says it all
+                self.cell.note(r, f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
             self.shown_live.add(r)
             del self.unshown[r]
 
@@ -193,6 +194,11 @@ class WaitWatch:
         status = getattr(self.cell.printer, "status", None)  # optional for a user's printer
         if status is not None:
             self._handle = status(text, self._handle)
+
+    def human_answered(self) -> None:
+        """A prompt was answered (kernel/prompts.py): the ranks' time spent waiting for a
+        human is no hang, so a wait counts from now."""
+        self.since = {}
 
     # ----- the end --------------------------------------------------------------------------
     def released_text(self) -> str:

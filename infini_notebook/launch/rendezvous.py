@@ -5,6 +5,7 @@ channel through the store (questions to each rank's answering thread, telemetry)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import threading
@@ -14,6 +15,7 @@ from datetime import timedelta
 from ..core.errors import DistUsageError
 from ..core.plan import LOOPBACK, SessionPlan, is_loopback
 from ..engine import rank_services
+from ..engine.stdin_relay import prompt_key
 
 
 class Rendezvous:
@@ -28,6 +30,7 @@ class Rendezvous:
         self._keys = None  # the session's keys in it (a PrefixStore under the root)
         self._late: list[str] = []  # keys of answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
+        self._prompted = 0  # the ranks' questions for stdin read so far
         method = plan.init_method
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
 
@@ -135,6 +138,27 @@ class Rendezvous:
                 else:
                     self._late.append(key)
         return out
+
+    def prompts(self) -> list[tuple[int, dict]]:
+        """The ranks' questions for stdin (engine/stdin_relay.py) not read yet, in the order
+        asked: ``[(n, question)]``, each to be answered with ``answer_prompt(n, reply)``."""
+        store = self._keys
+        if store is None:
+            return []
+        out = []
+        asked = store.add(prompt_key("count"), 0)
+        while self._prompted < asked:
+            key = prompt_key("ask", self._prompted + 1)
+            if not store.check([key]):  # counted, not written yet: read it next time
+                break
+            self._prompted += 1
+            out.append((self._prompted, json.loads(store.get(key))))
+            store.delete_key(key)
+        return out
+
+    def answer_prompt(self, n: int, reply: dict) -> None:
+        if self._keys is not None:
+            self._keys.set(prompt_key("answer", n), json.dumps(reply))
 
     def telemetry(self, ranks: list[int]) -> dict[int, dict]:
         """The latest snapshot each rank's telemetry thread put in the store."""

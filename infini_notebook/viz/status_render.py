@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 STATE_COLORS = {
     "idle": "#1f7a3a",
     "busy": "#8a5a00",
+    "prompt": "#1f5fa8",  # waiting at an input box for the user (pdb, input())
     "failed": "#c0302f",  # raised in its last cell
     "released": "#a34a12",  # freed from a wait on a rank that failed
     "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
@@ -64,6 +65,8 @@ def state_text(rs: RankState, busy_for: float | None = None) -> str:
     """``busy 1m05s`` once a rank has been busy a while: a long one may be stuck."""
     if rs.state == "died" and rs.exit_code is not None:
         return f"died (exit {rs.exit_code})"
+    if rs.state == "prompt":
+        return "at a prompt"
     if rs.state == "busy" and busy_for is not None and busy_for >= BUSY_SHOWN_AFTER_S:
         minutes, seconds = divmod(int(busy_for), 60)
         return f"busy {minutes}m{seconds:02d}s" if minutes else f"busy {seconds}s"
@@ -100,9 +103,10 @@ def status_summary(
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
-    order = ["busy", "stuck", "failed", "released", "died", "idle", "stopped"]
+    order = ["prompt", "busy", "stuck", "failed", "released", "died", "idle", "stopped"]
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
-    parts = [f"{counts[s]} {s}" for s in order if s in counts]
+    words = {"prompt": "at a prompt"}
+    parts = [f"{counts[s]} {words.get(s, s)}" for s in order if s in counts]
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
     spare = f" · {spares} spare engines for the next hard restart" if spares else ""
     session = f"session {session_line} · " if session_line else ""

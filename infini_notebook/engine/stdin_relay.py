@@ -1,0 +1,135 @@
+"""A rank's stdin is the notebook's: ``input()``, ``getpass``, pdb and every ``cmd.Cmd``
+debugger (``breakpoint()``, ``torch.distributed.breakpoint``), and ``sys.stdin.readline()``
+ask the notebook, which shows Jupyter's input box labeled with the rank. Runs inside each
+engine; the kernel's side is kernel/prompts.py.
+
+ipyparallel's engines take no input requests (ipykernel's ``raw_input`` raises
+StdinNotImplementedError when the request did not allow stdin), and a rank may be on
+another host. So the question goes through the kernel's TCPStore: the rank counts
+``prompt_key("count")`` up to n, sets ``prompt_key("ask", n)`` to the question (JSON: rank,
+prompt, password, the cell's msg_id, and how much of stdout and stderr it has sent, so
+that the kernel shows that text before the prompt), and polls for
+``prompt_key("answer", n)``: ``{"value": text}``, ``{"eof": true}`` or ``{"error": why}``.
+Polled with short sleeps, so that the Stop button's SIGINT reaches the waiting rank.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from datetime import timedelta
+
+POLL_S = 0.05
+_state: dict = {}  # cfg, the store client (made on the first question), the kernel
+
+
+def prompt_key(what: str, n: int | None = None) -> str:
+    return "infini/stdin/" + what + ("" if n is None else f"/{n}")
+
+
+class StdinNotImplementedError(RuntimeError):
+    """The notebook cannot answer: same name as IPython's, raised on the rank."""
+
+
+def install(kernel, cfg: dict) -> bool:
+    """Route the kernel's ``raw_input``/``getpass`` (what ``input()`` and ``getpass`` are
+    during a cell) and ``sys.stdin`` to the notebook; whether it is in place."""
+    if "cfg" in _state:
+        return True
+    if kernel is None or not callable(getattr(kernel, "raw_input", None)):
+        return False
+    _state.update(cfg=cfg, kernel=kernel)
+    # ipykernel's _forward_input sets builtins.input = self.raw_input for each execute
+    # request (ipykernel/ipkernel.py): an instance attribute is what it then finds
+    kernel.raw_input = lambda prompt="": ask(str(prompt))
+    kernel.getpass = lambda prompt="", stream=None, **_: ask(str(prompt), password=True)
+    sys.stdin = NotebookStdin()
+    return True
+
+
+class NotebookStdin(io.TextIOBase):
+    """``sys.stdin`` of a rank: a line read during a cell is asked of the notebook; outside
+    a cell (a pull, a bench) there is nobody to ask, and it reads as end of file."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int = -1) -> str:
+        from . import cell_end
+
+        if not cell_end.in_cell():
+            return ""
+        try:
+            line = ask("") + "\n"
+        except EOFError:
+            return ""
+        return line if size is None or size < 0 else line[:size]
+
+    def read(self, size: int = -1) -> str:
+        return self.readline(size)
+
+    def isatty(self) -> bool:
+        return False
+
+
+def ask(prompt: str, password: bool = False) -> str:
+    """Ask the notebook for a line; raise EOFError, or StdinNotImplementedError with the
+    kernel's reason, when it has none to give."""
+    from . import output_streams
+
+    for stream in (sys.stdout, sys.stderr):  # what the rank printed shows before the box
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    store = _store()
+    n = store.add(prompt_key("count"), 1)
+    kernel = _state["kernel"]
+    parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else {}
+    question = {
+        "rank": _state["cfg"]["rank"],
+        "prompt": prompt,
+        "password": password,
+        "cell": (parent or {}).get("header", {}).get("msg_id"),
+        "sent": output_streams.sent(),
+    }
+    store.set(prompt_key("ask", n), json.dumps(question))
+    key = prompt_key("answer", n)
+    try:
+        while not store.check([key]):
+            time.sleep(POLL_S)  # SIGINT (an interrupt of the whole cell) raises here
+    except KeyboardInterrupt:
+        raise _stop("interrupted at the prompt") from None
+    reply = json.loads(store.get(key))
+    store.delete_key(key)
+    if "error" in reply:
+        raise StdinNotImplementedError(reply["error"])
+    if "stop" in reply:
+        raise _stop(reply["stop"])
+    if reply.get("eof"):
+        raise EOFError
+    return reply["value"]
+
+
+def _stop(why: str) -> BaseException:
+    """What ends a prompt the user stopped: in a debugger, BdbQuit (pdb catches a
+    KeyboardInterrupt and asks again, so the rank would never leave), else
+    KeyboardInterrupt."""
+    import bdb
+
+    frame = sys._getframe()
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), bdb.Bdb):
+            return bdb.BdbQuit(why)
+        frame = frame.f_back
+    return KeyboardInterrupt(why)
+
+
+def _store():
+    if "store" not in _state:
+        from .rank_services import session_store
+
+        _state["store"] = session_store(_state["cfg"], timedelta(seconds=60))
+    return _state["store"]

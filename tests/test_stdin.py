@@ -1,0 +1,159 @@
+"""A rank's stdin is the notebook's (issue 32): input(), pdb and torch.distributed.breakpoint
+on a rank are answered at the notebook's input box, labeled with the rank, one prompt at a
+time; q, the Stop button and a front end without stdin end them cleanly; %dist_debug with no
+code opens pdb in the failing frame. In a real kernel on 2 CPU ranks, driven as a front end
+does (jupyter_client's execute_interactive with allow_stdin)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import text_of, use_session
+from jupyter_core.utils import run_sync  # nbclient's kernel client is the async one
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Frontend:
+    """One cell run as JupyterLab runs it: input requests answered from ``answers`` (the
+    string "!STOP" presses the Stop button instead), every message kept in order."""
+
+    def __init__(self, kernel, answers=(), think_s: float = 0.0):
+        self.kernel, self.answers, self.think_s = kernel, list(answers), think_s
+        self.events: list[tuple[str, str]] = []  # ("prompt" / "stdout" / ..., text)
+        self.shown: dict[str, str] = {}  # what the cell shows at the end, per stream
+        self.error: dict | None = None
+
+    def run(self, code: str) -> str:
+        client = self.kernel.client
+        reply = run_sync(client.kc.execute_interactive)(
+            code,
+            allow_stdin=True,
+            stdin_hook=self._stdin,
+            output_hook=self._output,
+            timeout=120,
+        )
+        return reply["content"]["status"]
+
+    def _stdin(self, msg) -> None:
+        self.events.append(("prompt", msg["content"]["prompt"]))
+        answer = self.answers.pop(0)
+        time.sleep(self.think_s)  # a person reads before typing
+        if answer == "!STOP":  # what the button does to an IPython kernel: SIGINT
+            os.kill(self.kernel.kernel_pid, signal.SIGINT)
+        else:
+            self.kernel.client.kc.input(answer)
+
+    def _output(self, msg) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            self.events.append((content["name"], content["text"]))
+            self.shown[content["name"]] = self.shown.get(content["name"], "") + content["text"]
+        elif kind == "clear_output":
+            self.shown = {}
+        elif kind == "error":
+            self.error = content
+
+    def prompts(self) -> list[str]:
+        return [text for kind, text in self.events if kind == "prompt"]
+
+    def summary(self) -> str:
+        return self.error["evalue"] if self.error else ""
+
+
+@pytest.fixture(scope="module")
+def two(kernel):
+    use_session(kernel, "--nprocs 2")
+
+
+def test_input_on_rank_0_is_asked_in_the_notebook(kernel, two):
+    ui = Frontend(kernel, ["alice"])
+    code = "%%dist\nname = input(f'name{rank}? ') if rank == 0 else 'nobody'\nprint('got', name)"
+    assert ui.run(code) == "ok"
+    assert ui.prompts() == ["[rank 0] name0? "]
+    lines = ui.shown["stdout"].splitlines()
+    assert lines == ["[rank 0] name0? alice", "[rank 0] got alice", "[rank 1] got nobody"]
+
+
+BREAKPOINT = """%%dist
+x = rank * 10
+torch.distributed.breakpoint(rank=1)
+print('after', rank, x)"""
+
+# Records what %dist_status says of each rank while the next cell runs
+RECORD_STATES = """\
+import threading, time
+_seen, _stop = set(), threading.Event()
+def _record():
+    while not _stop.is_set():
+        _seen.update((r.rank, r.state) for r in dist_session.status())
+        time.sleep(0.05)
+threading.Thread(target=_record, daemon=True).start()"""
+
+
+def test_torch_distributed_breakpoint_steps_through_rank_1_while_rank_0_waits(kernel, two):
+    kernel.run(RECORD_STATES)
+    ui = Frontend(kernel, ["up", "p x + 1", "c"], think_s=0.5)  # the status polls at 20/s
+    assert ui.run(BREAKPOINT) == "ok"
+    assert ui.prompts() == ["[rank 1] (Pdb) "] * 3
+    first_prompt = ui.events.index(("prompt", "[rank 1] (Pdb) "))
+    before = "".join(text for _, text in ui.events[:first_prompt])
+    assert "Type 'up' to get to the frame" in before  # pdb's words come before its box
+    out = ui.shown["stdout"]
+    assert "[rank 1] (Pdb) p x + 1\n[rank 1] 11\n" in out  # the answer kept in place
+    assert "[rank 0] after 0 0" in out and "[rank 1] after 1 10" in out
+    seen = text_of(kernel.run("_stop.set(); print(sorted(_seen))"))
+    assert "(1, 'prompt')" in seen and "(0, 'busy')" in seen, seen  # not a hang
+    assert "(0, 'released')" not in seen
+    assert "[rank 1] 1" in text_of(kernel.run("%%dist\nprint(rank)"))
+
+
+def test_two_ranks_asking_at_once_are_answered_one_after_the_other(kernel, two):
+    ui = Frontend(kernel, ["A", "B"])
+    assert ui.run("%%dist\nanswer = input(f'r{rank}? ')\nprint('got', answer)") == "ok"
+    assert sorted(ui.prompts()) == ["[rank 0] r0? ", "[rank 1] r1? "]
+    got = dict(zip(ui.prompts(), "AB"))
+    for r in range(2):
+        assert f"[rank {r}] got {got[f'[rank {r}] r{r}? ']}" in ui.shown["stdout"]
+
+
+def test_q_fails_the_rank_in_one_line_and_releases_the_other(kernel, two):
+    ui = Frontend(kernel, ["q"])
+    assert ui.run(BREAKPOINT) == "error"
+    summary = ui.summary()
+    assert summary.startswith("rank 1: left the debugger (q); rank 0 was waiting for rank 1")
+    assert "BdbQuit" not in summary and "Traceback" not in "".join(ui.shown.values())
+    assert "[rank 0] 0" in text_of(kernel.run("%%dist\nprint(rank)"))
+
+
+def test_the_stop_button_at_a_prompt_ends_it_and_the_cell(kernel, two):
+    ui = Frontend(kernel, ["up", "!STOP"])
+    assert ui.run(BREAKPOINT) == "error"
+    assert ui.summary().startswith("rank 1: left the debugger (the Stop button at its prompt)")
+    assert "[rank 1] (Pdb) up\n" in ui.shown["stdout"]  # answered before the Stop
+    assert "[rank 0] 0" in text_of(kernel.run("%%dist\nprint(rank)"))
+
+
+def test_without_stdin_the_rank_gets_StdinNotImplementedError_saying_why(kernel, two):
+    cell = kernel.run("%%dist --ranks 1\ninput('name? ')", allow_error=True)  # nbclient
+    err = text_of(cell, "error")
+    assert "StdinNotImplementedError: input('name? ') has no answer: the front end" in err
+    assert "JupyterLab, Notebook or VS Code" in err
+    kernel.run("%%dist --background --ranks 1\ninput('name? ')")
+    kernel.run("dist_session.background.join(60)")
+    out = text_of(kernel.run("print(dist_session.last.errors)"))
+    assert "a --background cell cannot take input" in out, out
+
+
+def test_dist_debug_with_no_code_opens_pdb_in_the_failing_frame(kernel, two):
+    failing = "%%dist\ndef f(y):\n    if rank == 1:\n        raise ValueError(y)\nf(rank + 41)"
+    kernel.run(failing, allow_error=True)
+    ui = Frontend(kernel, ["p y * 2", "q"])
+    assert ui.run("%dist_debug --ranks 1") == "ok"
+    assert ui.prompts() == ["[rank 1] (Pdb) "] * 2
+    assert "-> raise ValueError(y)" in ui.shown["stdout"]  # the user's frame, not torch's
+    assert "[rank 1] 84" in ui.shown["stdout"]
+    assert "[rank 1] 41" in text_of(kernel.run("%dist_debug print(y - 1)"))  # still there
