@@ -87,7 +87,10 @@ class DistMagics(Magics):
         """Run the cell on every rank (or a subset) at once; output is labeled [rank N].
 
         Output shows as it comes, then again in rank order when the cell ends. If any rank
-        raises, the cell fails with each rank's traceback labeled.
+        raises, the cell fails with each rank's traceback labeled. input(), pdb, breakpoint()
+        and torch.distributed.breakpoint(rank=1) on a rank ask at the notebook's input box,
+        one prompt at a time; the collective timeout (%dist_start --timeout) still bounds
+        how long the other ranks wait, so raise it for long debugging.
         """
         self._dist(line, cell)
 

@@ -63,8 +63,46 @@ CELLS = [
     """),
     code('%dist_debug print(f"rank {rank}: rank - 2 = {rank - 2}, keep = {keep}")'),
     md("""
+    ### Stepping through a rank live
+
+    With no code, `%dist_debug --ranks 2` opens pdb itself in that frame, at the notebook's
+    input box: the prompt reads `[rank 2] (Pdb) `; `p keep`, `up`, `c` or `q` as usual.
+    The same box serves code running in a cell: `input()`, `breakpoint()` and
+    `torch.distributed.breakpoint(rank=1)` on a rank ask there, one prompt at a time, each
+    labeled with its rank, after what the rank printed before asking. Meanwhile the other
+    ranks wait (in `torch.distributed.breakpoint`'s barrier): `%dist_status` shows rank 1
+    `at a prompt`, and nothing counts as hung or is released. In JupyterLab:
+
+    ```
+    %%dist
+    x = rank * 10
+    torch.distributed.breakpoint(rank=1)
+    print('after', rank, x)
+    ```
+    ```
+    [rank 0] after 0 0
+    [rank 1] !!! ATTENTION !!!
+    [rank 1] Type 'up' to get to the frame that called dist.breakpoint(rank=1)
+    [rank 1] > .../torch/distributed/__init__.py(134)breakpoint()
+    [rank 1] (Pdb) up
+    [rank 1] > /tmp/ipykernel_30380/1687410256.py(2)<module>()
+    [rank 1] -> torch.distributed.breakpoint(rank=1)
+    [rank 1] (Pdb) p x + 1
+    [rank 1] 11
+    [rank 1] (Pdb) c
+    [rank 1] after 1 10
+    ```
+
+    `q` instead of `c` fails the cell on rank 1 in one line, `rank 1: left the debugger
+    (q)`, releases rank 0 and rebuilds the groups, as for any failed rank; the Stop button
+    at a prompt does the same. The collective timeout still bounds the wait of the other
+    ranks: `torch.distributed.breakpoint` raises it to an hour itself, and `%dist_start
+    --timeout` sets it for the session. This notebook was executed headless (nbclient has
+    no input box), where a rank that asks gets `StdinNotImplementedError` saying so, so the
+    session above is shown, not run.
+
     Nothing else is damaged: no collective was involved, so the process groups are fine and
-    the next cell just runs. `%dist_status` marks rank 2 as `error` until its next cell
+    the next cell just runs. `%dist_status` marks rank 2 as `failed` until its next cell
     succeeds.
     """),
     code("%dist_status"),
