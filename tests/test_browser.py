@@ -45,6 +45,7 @@ CELLS = [
     "%dist_bench all_reduce --group world tp --sizes 1K:64K --iters 5 --warmup 1 -o df",
     "from infini_notebook import viz\nviz.bench_view(df)",
     "%%dist\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc=f'r{rank}'):\n    pass",
+    "%%dist\nname = input('name? ') if rank == 0 else 'nobody'\nprint('got', name)",
     "%%dist\nimport time\nprint('sleeping', flush=True)\ntime.sleep(8)\nprint('woke')",
     # rank 1 raises while the others wait in an all_reduce (caught, so Run All goes on):
     # the waits are released and the groups rebuilt (issue 33, items 1-3)
@@ -63,9 +64,10 @@ CELLS = [
     "%%dist\nprint('back', rank)",
 ]
 TQDM_CELL = 6
-SLEEPING_CELL = 7
-TIMEOUT_CELL = 10  # the cells from here on run after the first checks
-RESTART_CELL = 13  # and these after the refusal's
+INPUT_CELL = 7
+SLEEPING_CELL = 8
+TIMEOUT_CELL = 11  # the cells from here on run after the first checks
+RESTART_CELL = 14  # and these after the refusal's
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
@@ -93,6 +95,7 @@ def test_widgets_render_in_jupyterlab(tmp_path):
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             wait_kernel_idle(page)
             run_cells(page, 0, TIMEOUT_CELL)
+            answer_input(page, shots)
             check_outputs(page, shots)
             check_failure(page, shots)
             check_progress_bars(page, shots)
@@ -251,6 +254,21 @@ def check_contrast(page, shots, theme: str) -> None:
     low = {sel: round(c, 2) for sel, c in got.items() if c < 4.5}
     page.screenshot(path=str(shots / f"notebook_{theme}.png"), full_page=True)
     assert not low, f"{theme} theme: contrast under 4.5:1 {low}"
+
+
+def answer_input(page, shots) -> None:
+    """Issue 32: input() on rank 0 opens JupyterLab's own input box, labeled with the rank;
+    the answer reaches the rank (the cells after it wait meanwhile)."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(INPUT_CELL)
+    box = cell.locator(".jp-Stdin-input")
+    box.wait_for(timeout=120_000)
+    assert cell.locator(".jp-Stdin-prompt").inner_text().strip() == "[rank 0] name?"
+    cell.screenshot(path=str(shots / "input_box.png"))
+    box.fill("alice")
+    box.press("Enter")
+    cell.get_by_text("[rank 0] got alice").wait_for(timeout=30_000)
+    text = cell.locator(".jp-OutputArea").inner_text()
+    assert "[rank 0] name? alice" in text and "[rank 1] got nobody" in text, text
 
 
 def check_progress_bars(page, shots) -> None:

@@ -157,3 +157,14 @@ def test_dist_debug_with_no_code_opens_pdb_in_the_failing_frame(kernel, two):
     assert "-> raise ValueError(y)" in ui.shown["stdout"]  # the user's frame, not torch's
     assert "[rank 1] 84" in ui.shown["stdout"]
     assert "[rank 1] 41" in text_of(kernel.run("%dist_debug print(y - 1)"))  # still there
+
+
+def test_auto_mode_cells_ask_too(kernel, two):
+    kernel.run("%dist_auto on")
+    try:
+        ui = Frontend(kernel, ["bob"])
+        assert ui.run("who = input('who? ') if rank == 1 else ''\nprint('hi', who)") == "ok"
+        assert ui.prompts() == ["[rank 1] who? "]
+        assert "[rank 1] hi bob" in ui.shown["stdout"]
+    finally:
+        kernel.run("%dist_auto off")
