@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 
 import nbformat
 import pytest
 from hypothesis import HealthCheck, settings
+from jupyter_core.utils import run_sync  # nbclient's kernel client is the async one
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -60,6 +62,53 @@ class KernelCells:
     @property
     def kernel_pid(self) -> int:
         return self.client.km.provisioner.process.pid
+
+
+class Frontend:
+    """One cell run as JupyterLab runs it: input requests answered from ``answers`` (the
+    string "!STOP" presses the Stop button instead), every message kept in order."""
+
+    def __init__(self, kernel, answers=(), think_s: float = 0.0):
+        self.kernel, self.answers, self.think_s = kernel, list(answers), think_s
+        self.events: list[tuple[str, str]] = []  # ("prompt" / "stdout" / ..., text)
+        self.shown: dict[str, str] = {}  # what the cell shows at the end, per stream
+        self.error: dict | None = None
+
+    def run(self, code: str) -> str:
+        client = self.kernel.client
+        reply = run_sync(client.kc.execute_interactive)(
+            code,
+            allow_stdin=True,
+            stdin_hook=self._stdin,
+            output_hook=self._output,
+            timeout=120,
+        )
+        return reply["content"]["status"]
+
+    def _stdin(self, msg) -> None:
+        self.events.append(("prompt", msg["content"]["prompt"]))
+        answer = self.answers.pop(0)
+        time.sleep(self.think_s)  # a person reads before typing
+        if answer == "!STOP":  # what the button does to an IPython kernel: SIGINT
+            os.kill(self.kernel.kernel_pid, signal.SIGINT)
+        else:
+            self.kernel.client.kc.input(answer)
+
+    def _output(self, msg) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            self.events.append((content["name"], content["text"]))
+            self.shown[content["name"]] = self.shown.get(content["name"], "") + content["text"]
+        elif kind == "clear_output":
+            self.shown = {}
+        elif kind == "error":
+            self.error = content
+
+    def prompts(self) -> list[str]:
+        return [text for kind, text in self.events if kind == "prompt"]
+
+    def summary(self) -> str:
+        return self.error["evalue"] if self.error else ""
 
 
 def text_of(cell, name: str | None = None) -> str:

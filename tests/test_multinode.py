@@ -16,7 +16,7 @@ import time
 
 import psutil
 import pytest
-from conftest import fresh_kernel, text_of
+from conftest import Frontend, fresh_kernel, text_of
 
 from infini_notebook.core.plan import make_plan
 from infini_notebook.launch.launchers import engine_options
@@ -165,6 +165,9 @@ def test_two_host_ssh_session(hosts):
         assert "[rank 1] 1 0 2 6.0 1.0" in out
         assert "[rank 2] 0 1 2 6.0 5.0" in out
         assert "[rank 3] 1 1 2 6.0 5.0" in out
+        ui = Frontend(k, ["carol"])  # input() on a rank of the other host: over the store
+        assert ui.run("%%dist --ranks 3\nprint('got', input('who? '))") == "ok"
+        assert ui.prompts() == ["[rank 3] who? "] and "[rank 3] got carol" in ui.shown["stdout"]
         status = text_of(k.run("%dist_status"))
         assert status.count(a) == 2 and status.count(b) == 2  # tiles name their host
         assert states(k) == ["idle"] * 4  # known from the controller, not from local pids
