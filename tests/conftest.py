@@ -73,6 +73,7 @@ class Frontend:
         self.events: list[tuple[str, str]] = []  # ("prompt" / "stdout" / ..., text)
         self.shown: dict[str, str] = {}  # what the cell shows at the end, per stream
         self.error: dict | None = None
+        self.displays: list[str] = []  # every text/plain a display showed, updates too
 
     def run(self, code: str) -> str:
         client = self.kernel.client
@@ -99,6 +100,8 @@ class Frontend:
         if kind == "stream":
             self.events.append((content["name"], content["text"]))
             self.shown[content["name"]] = self.shown.get(content["name"], "") + content["text"]
+        elif kind in ("display_data", "update_display_data"):
+            self.displays.append(content["data"].get("text/plain", ""))
         elif kind == "clear_output":
             self.shown = {}
         elif kind == "error":

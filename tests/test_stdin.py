@@ -44,7 +44,8 @@ threading.Thread(target=_record, daemon=True).start()"""
 
 def test_torch_distributed_breakpoint_steps_through_rank_1_while_rank_0_waits(kernel, two):
     kernel.run(RECORD_STATES)
-    ui = Frontend(kernel, ["up", "p x + 1", "c"], think_s=0.5)  # the status polls at 20/s
+    # A person who thinks longer than a wait takes to be reported hung (2 s): no report
+    ui = Frontend(kernel, ["up", "p x + 1", "c"], think_s=2.5)
     assert ui.run(BREAKPOINT) == "ok"
     assert ui.prompts() == ["[rank 1] (Pdb) "] * 3
     first_prompt = ui.events.index(("prompt", "[rank 1] (Pdb) "))
@@ -56,6 +57,7 @@ def test_torch_distributed_breakpoint_steps_through_rank_1_while_rank_0_waits(ke
     seen = text_of(kernel.run("_stop.set(); print(sorted(_seen))"))
     assert "(1, 'prompt')" in seen and "(0, 'busy')" in seen, seen  # not a hang
     assert "(0, 'released')" not in seen
+    assert not [d for d in ui.displays if d.startswith("waiting")], ui.displays
     assert "[rank 1] 1" in text_of(kernel.run("%%dist\nprint(rank)"))
 
 
@@ -116,3 +118,28 @@ def test_auto_mode_cells_ask_too(kernel, two):
         assert "[rank 1] hi bob" in ui.shown["stdout"]
     finally:
         kernel.run("%dist_auto off")
+
+
+def test_sys_stdin_getpass_and_end_of_file(kernel, two):
+    ui = Frontend(kernel, ["line one", "s3cret", "\x04"])  # Ctrl-D: end of file
+    code = (
+        "%%dist --ranks 0\nimport getpass, sys\nline = sys.stdin.readline()\n"
+        "secret = getpass.getpass('pw? ')\ntry:\n    input('more? ')\n"
+        "except EOFError:\n    print('EOF')\nprint(repr(line), len(secret))"
+    )
+    assert ui.run(code) == "ok"
+    assert ui.prompts() == ["[rank 0] ", "[rank 0] pw? ", "[rank 0] more? "]
+    out = ui.shown["stdout"]
+    assert "[rank 0] EOF\n[rank 0] 'line one\\n' 6" in out
+    assert "s3cret" not in out  # a password is not kept in the output
+
+
+def test_a_script_has_no_notebook_to_ask(session4):
+    """session.run() outside a notebook (here: pytest's process): the rank is told why."""
+    from infini_notebook.core.errors import DistCellError
+
+    with pytest.raises(DistCellError) as failed:
+        session4.run("input('name? ')", ranks=[0], echo=False)
+    assert "StdinNotImplementedError: input('name? ') has no answer: there is no notebook" in (
+        str(failed.value)
+    )
