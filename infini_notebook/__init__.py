@@ -35,9 +35,11 @@ def current():
 
 def load_ipython_extension(ipython) -> None:
     from .core.export import record_outcome
+    from .debug_magics import DebugMagics
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    ipython.register_magics(DebugMagics)
     if current() is None:
         from .launch.prewarm import warm
 

@@ -24,7 +24,7 @@ from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .engine import bootstrap, postmortem
-from .kernel import execution, supervision, transfer
+from .kernel import diff, execution, supervision, transfer
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
 from .launch import engine_sets, launchers, prewarm, startup
@@ -391,6 +391,15 @@ class Session:
             shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
             TextPrinter(echo).out("".join(shown))
         return out
+
+    def diff(self, name: str, group: str | None = None, atol: float = 0.0):
+        """Compare ``name`` (a tensor, module, optimizer, state dict or nested container on
+        each rank) within every group of ``group`` (default dp; world without dp).
+        Returns (one summary line, a DataFrame of what differs: group, leaf, ranks,
+        max_abs_diff, what)."""
+        self.require_running()
+        self.background.refuse("%dist_diff")
+        return diff.diff(self, name, group, atol)
 
     def debug(self, ranks: str | list[int] | None = None) -> None:
         """pdb post-mortem in the failing frame of each rank that failed in the last cell

@@ -29,6 +29,13 @@ def _session() -> cluster.Session:
     return session
 
 
+def _assigned(shell, magic: str) -> bool:
+    """Whether the running cell assigns this line magic's value (``df = %magic ...``):
+    IPython turns it into ``df = get_ipython().run_line_magic('magic', ...)``."""
+    cell = (shell.user_ns.get("In") or [""])[-1]
+    return f"= get_ipython().run_line_magic('{magic}'" in cell
+
+
 def _unquote(text: str | None) -> str | None:
     """IPython's magic argument splitter keeps the quotes around a quoted value."""
     if text and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
@@ -190,12 +197,6 @@ class DistMagics(Magics):
             )
         display(viz.status_widget(_session()))
 
-    def _assigned(self, magic: str) -> bool:
-        """Whether the running cell assigns this line magic's value (``df = %magic ...``):
-        IPython turns it into ``df = get_ipython().run_line_magic('magic', ...)``."""
-        cell = (self.shell.user_ns.get("In") or [""])[-1]
-        return f"= get_ipython().run_line_magic('{magic}'" in cell
-
     @staticmethod
     def _groups_layout(args) -> tuple:
         """%dist_groups: (layout, hosts) from --world flags, else from the running session."""
@@ -350,7 +351,7 @@ class DistMagics(Magics):
             display(viz.figure_bundle(fig), raw=True)  # follows the theme
         if args.out:
             self.shell.user_ns[args.out] = result
-        return result if self._assigned("dist_bench") else None
+        return result if _assigned(self.shell, "dist_bench") else None
 
     @magic_arguments()
     @argument("path", help="the script to write, e.g. train.py")
@@ -422,30 +423,3 @@ class DistMagics(Magics):
             )
         print(AUTO_MARKER, flush=True)
         self._dist("", cell, preamble=f"{AUTO_MARKER}\n")
-
-    # ----- post-mortem --------------------------------------------------------------------
-    @magic_arguments()
-    @argument("--ranks", "-r", default=None, help="only these of the failed ranks")
-    @argument("code", nargs="*", help="line form: the code to run (the cell form runs its body)")
-    @line_cell_magic
-    def dist_debug(self, line: str, cell: str | None = None):
-        """Post-mortem of the last cell that failed, on each rank that failed (or --ranks).
-        With no code: pdb in the failing frame (the innermost of your own code), at the
-        notebook's input box, one rank at a time (c or q ends it). With code: run it in that
-        frame, output labeled per rank. %dist_debug [--ranks 1] | %dist_debug print(x, y)
-        | a %%dist_debug [--ranks 1] cell with the code as its body.
-        """
-        flags_only = cell is None and (not line.strip() or line.lstrip().startswith("-"))
-        if cell is None and not flags_only:  # all of the line is code: no flag parsing
-            code, ranks = line, None
-        else:
-            args = parse_argstring(self.dist_debug, line)
-            if args.code:
-                raise DistUsageError(
-                    "%dist_debug --ranks 1 opens pdb; to run code there, put it in a "
-                    "%%dist_debug --ranks 1 cell."
-                )
-            code, ranks = cell or "", args.ranks
-        if not code.strip():
-            return _session().debug(ranks)
-        _session().post_mortem(code, ranks)

@@ -1,0 +1,66 @@
+"""The magics for finding what went wrong on the ranks: %dist_debug (post-mortem: pdb, or
+code in the failing frame) and %dist_diff (are the replicas still the same?)."""
+
+from __future__ import annotations
+
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .core.errors import DistUsageError
+from .magics import _assigned, _session
+
+
+@magics_class
+class DebugMagics(Magics):
+    # ----- post-mortem --------------------------------------------------------------------
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="only these of the failed ranks")
+    @argument("code", nargs="*", help="line form: the code to run (the cell form runs its body)")
+    @line_cell_magic
+    def dist_debug(self, line: str, cell: str | None = None):
+        """Post-mortem of the last cell that failed, on each rank that failed (or --ranks).
+        With no code: pdb in the failing frame (the innermost of your own code), at the
+        notebook's input box, one rank at a time (c or q ends it). With code: run it in that
+        frame, output labeled per rank. %dist_debug [--ranks 1] | %dist_debug print(x, y)
+        | a %%dist_debug [--ranks 1] cell with the code as its body.
+        """
+        flags_only = cell is None and (not line.strip() or line.lstrip().startswith("-"))
+        if cell is None and not flags_only:  # all of the line is code: no flag parsing
+            code, ranks = line, None
+        else:
+            args = parse_argstring(self.dist_debug, line)
+            if args.code:
+                raise DistUsageError(
+                    "%dist_debug --ranks 1 opens pdb; to run code there, put it in a "
+                    "%%dist_debug --ranks 1 cell."
+                )
+            code, ranks = cell or "", args.ranks
+        if not code.strip():
+            return _session().debug(ranks)
+        _session().post_mortem(code, ranks)
+
+    @magic_arguments()
+    @argument("name", help="a tensor, module, optimizer, state dict or container on each rank")
+    @argument(
+        "--group",
+        "-g",
+        default=None,
+        help="the kind whose groups should agree (dp; world without dp)",
+    )
+    @argument("--atol", type=float, default=0.0, help="values this close count as the same")
+    @line_magic
+    def dist_diff(self, line: str):
+        """Are the replicas still the same? Compares NAME within every group of a kind
+        (default dp: the ranks that should hold the same values) by checksums computed where
+        the data lives; only for leaves that differ, the largest difference from the
+        group's first rank. Prints one line, or a table; returns the DataFrame where the
+        line is assigned (diffs = %dist_diff model).
+        """
+        args = parse_argstring(self.dist_diff, line)
+        text, df = _session().diff(args.name, args.group, args.atol)
+        print(text)
+        if len(df):
+            from IPython.display import display
+
+            display(df)
+        return df if _assigned(self.shell, "dist_diff") else None
