@@ -25,6 +25,7 @@ from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .engine import bootstrap, postmortem
 from .kernel import diff, execution, supervision, transfer
+from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
 from .launch import engine_sets, launchers, prewarm, startup
@@ -391,6 +392,28 @@ class Session:
             shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
             TextPrinter(echo).out("".join(shown))
         return out
+
+    def profile(
+        self,
+        code: str,
+        ranks: str | list[int] | None = None,
+        *,
+        where: str | dict | None = None,
+        out: str | None = None,
+        max_mb: float = cell_profile.DEFAULT_MAX_MB,
+        echo: bool = True,
+    ) -> cell_profile.ProfileResult:
+        """Run ``code`` as ``run`` does, under torch.profiler on each rank; merge the
+        traces into one timeline (a track per rank, one clock) in ``out`` (default
+        dist_profile/<cell>-<time>/) with each rank's own trace. Returns per-rank and
+        per-collective DataFrames and a figure. A failed cell raises DistCellError after
+        writing the traces; its ``profile`` attribute holds them (partial there)."""
+        targets = execution.resolve_targets(self, ranks, where)
+        self.require_running()
+        self.background.refuse("%%dist_profile")
+        printer = TextPrinter(echo, owns_cell=True)
+        name = execution.cell_name()
+        return cell_profile.profile(self, code, targets, printer, out, max_mb, name)
 
     def diff(self, name: str, group: str | None = None, atol: float = 0.0):
         """Compare ``name`` (a tensor, module, optimizer, state dict or nested container on

@@ -1,9 +1,10 @@
 """The magics for finding what went wrong on the ranks: %dist_debug (post-mortem: pdb, or
-code in the failing frame) and %dist_diff (are the replicas still the same?)."""
+code in the failing frame), %dist_diff (are the replicas still the same?) and
+%%dist_profile (which rank is slow, and how long the others wait for it)."""
 
 from __future__ import annotations
 
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .core.errors import DistUsageError
@@ -64,3 +65,26 @@ class DebugMagics(Magics):
 
             display(df)
         return df if _assigned(self.shell, "dist_diff") else None
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="run on these ranks only, e.g. 0,2 or 1-3")
+    @argument("--where", "-w", default=None, help="run where the layout says, e.g. pp=0")
+    @argument("--out", "-o", default=None, help="the folder for the traces")
+    @argument("--max-mb", type=float, default=200.0, help="refuse traces over this size")
+    @cell_magic
+    def dist_profile(self, line: str, cell: str):
+        """Run the cell as %%dist does, under torch.profiler on each rank (CPU, and CUDA on
+        GPUs); then one timeline: the ranks' traces merged on one clock (store round trips,
+        refined by the collectives' ends) into DIR/merged.json (Perfetto or
+        chrome://tracing: a track per rank), each rank's own trace beside it. Shows a row
+        per rank (compute, communication, waiting for the last peer, idle) and the
+        collectives that made the others wait most. DIR: --out, else
+        dist_profile/In[N]-<time>/. session.profile(code) returns the DataFrames.
+        """
+        args = parse_argstring(self.dist_profile, line)
+        result = _session().profile(
+            cell, args.ranks, where=args.where, out=args.out, max_mb=args.max_mb
+        )
+        from IPython.display import display
+
+        display(result)

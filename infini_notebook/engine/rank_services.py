@@ -33,11 +33,12 @@ def start(cfg: dict) -> None:
 
 # The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
 # from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
-# Questions: "" (every thread's stack), "wait" (what the cell waits in: JSON, "null" when
-# nothing), "links" (its TCP connections: JSON), "release ATTEMPT" (its running cell is to
-# fail), "abort ATTEMPT" (abort its NCCL communicators), "close ATTEMPT LINKS" (shut down
-# these of its TCP connections, JSON as "links" gives them). ATTEMPT: the groups it is meant
-# for; answered "stale" once they were rebuilt.
+# Questions: "" (every thread's stack), "clock" (its wall clock, ns), "wait" (what the
+# cell waits in: JSON, "null" when nothing), "links" (its TCP connections: JSON),
+# "release ATTEMPT" (its running cell is to fail), "abort ATTEMPT" (abort its NCCL
+# communicators), "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as
+# "links" gives them). ATTEMPT: the groups it is meant for; answered "stale" once they were
+# rebuilt.
 def stack_key(rank: int, what: str, n: int | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
 
@@ -76,6 +77,8 @@ def install_stack_dumper(cfg: dict) -> None:
 def answer(question: str, scratch) -> str:
     from . import wait_probe
 
+    if question == "clock":  # %%dist_profile's clock samples
+        return str(time.time_ns())
     if question == "wait":
         return json.dumps(wait_probe.current_wait())
     if question == "links":

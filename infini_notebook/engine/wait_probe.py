@@ -117,14 +117,15 @@ def _pending_seq(pg) -> int | None:
     return recorder.newest_seq(dump, getattr(pg, "group_name", None)) if dump else None
 
 
-def flight_recorder_dump(entries: bool = True) -> dict | None:
+def flight_recorder_dump(entries: bool = True, only_active: bool = True) -> dict | None:
     """This rank's Flight Recorder, from the recorder its backend writes to; None when no
     recorder records here. torch 2.13 keeps two: NCCL work goes to the NCCL recorder
     (``dump_nccl_trace_json``, ProcessGroupNCCL.hpp, bound as ``_dump_nccl_trace_json`` in
     c10d/init.cpp only where USE_C10D_NCCL is built, so never on a CPU wheel), gloo and CPU
     work to the generic one (``dump_fr_trace_json``, FlightRecorder.hpp). Both take
-    (includeCollectives, onlyActive): only what is not completed, to keep the dump small;
-    without ``entries``, the groups' status alone."""
+    (includeCollectives, onlyActive): by default only what is not completed, to keep the
+    dump small (``only_active=False``: all it holds, for %%dist_profile); without
+    ``entries``, the groups' status alone."""
     import torch
     import torch.distributed as dist
 
@@ -133,7 +134,7 @@ def flight_recorder_dump(entries: bool = True) -> dict | None:
     dump = getattr(c10d, "_dump_nccl_trace_json", None) if nccl else None
     dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
     try:
-        return json.loads(dump(entries, True)) if dump is not None else None
+        return json.loads(dump(entries, only_active)) if dump is not None else None
     except Exception:  # not recording (no buffer size set), or a build without it
         return None
 

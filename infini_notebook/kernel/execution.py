@@ -54,7 +54,7 @@ def run(
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
-    name = _cell_name()
+    name = cell_name()
     files = OutputFiles(s.folder.file("output"), targets, name)
     t0 = time.perf_counter()
     with s.engines.client.lock:
@@ -104,7 +104,7 @@ def refuse_stuck(s, targets: list[int]) -> None:
         )
 
 
-def _cell_name() -> str:
+def cell_name() -> str:
     """'In[5]': the notebook cell this runs from, for messages that point at a line."""
     try:
         from IPython import get_ipython

@@ -40,6 +40,7 @@ _EXPORTS = {
         "status_widget",
     ),
     "progress": ("OutputPrinter", "Progress", "in_kernel"),
+    "profile_plots": ("plot_breakdown",),
     "bench_plots": (
         "BenchView", "FIGURE_DPI", "METRICS", "bench_curves", "bench_summary", "bench_view",
         "figure_bundle", "figure_html", "figure_png", "figure_svg", "p2p_heatmap", "plot_busbw",

@@ -79,7 +79,7 @@ def plot_busbw(
             ax.set_visible(False)
         if not collectives:
             axes[0].text(0.5, 0.5, "no benchmark rows", ha="center", va="center")
-    return _settled(fig)
+    return settled_layout(fig)
 
 
 def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
@@ -115,10 +115,10 @@ def p2p_heatmap(
     from matplotlib import rc_context
 
     with rc_context(THEMED_RC):
-        return _settled(_heatmap(matrix, title, hosts))
+        return settled_layout(_heatmap(matrix, title, hosts))
 
 
-def _settled(fig: Figure) -> Figure:
+def settled_layout(fig: Figure) -> Figure:
     """Constrained layout moves the axes a little on every draw: lay out once and keep it,
     so a figure's PNG and SVG agree and a re-run notebook diffs clean."""
     fig.draw_without_rendering()

@@ -1,0 +1,151 @@
+"""``%%dist_profile``: the cell run as ``%%dist`` runs it, under torch.profiler on each
+rank; then the ranks' traces merged into one timeline (core/timeline.py) and written to one
+folder: ``merged.json`` (Chrome/Perfetto, a track per rank on one clock) and each rank's
+own trace (``rankN.json``, with the distributed info HTA reads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import timeline
+from ..core.errors import DistCellError, DistUsageError
+from ..core.ranks import rank_label
+from ..engine import profiling
+from . import execution, supervision
+
+CLOCK_SAMPLES = 5
+DEFAULT_MAX_MB = 200.0
+
+
+@dataclass
+class ProfileResult:
+    """What ``session.profile`` returns: per-rank and per-collective DataFrames, the
+    figure, the files, and the ranks whose cell failed (their traces are partial)."""
+
+    ranks: Any  # DataFrame: wall, compute, communication, wait, idle (ms), top ops
+    collectives: Any  # DataFrame: per collective, who arrived last and the wait it caused
+    figure: Any
+    folder: str
+    merged: str
+    files: dict[int, str] = field(default_factory=dict)
+    partial: list[int] = field(default_factory=list)
+    size_bytes: int = 0
+
+    def summary(self) -> str:
+        mb = self.size_bytes / 2**20
+        part = (
+            f"; partial (the cell failed) on {rank_label(self.partial)[1:-1]}"
+            if self.partial
+            else ""
+        )
+        return (
+            f"{len(self.files)} rank traces ({mb:.1f} MB) in {self.folder}/: merged.json opens "
+            f"in https://ui.perfetto.dev or chrome://tracing, one track per rank{part}"
+        )
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        from ..viz import figure_bundle
+
+        bundle = figure_bundle(self.figure)
+        tables = self.ranks.to_html(index=False) + _worst(self.collectives).to_html(index=False)
+        bundle["text/html"] += f"<p>{self.summary()}</p>{tables}"
+        bundle["text/plain"] = "\n".join(
+            [
+                self.summary(),
+                self.ranks.to_string(index=False),
+                _worst(self.collectives).to_string(index=False),
+            ]
+        )
+        return bundle
+
+
+def _worst(df, n: int = 10):
+    """The collectives that cost the others the most waiting."""
+    return df.sort_values("wait_caused_ms", ascending=False).head(n) if len(df) else df
+
+
+def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: float, name: str):
+    """Run ``code`` on ``targets`` under the profiler; returns a ProfileResult, and raises
+    the cell's DistCellError after writing what the others recorded."""
+    import pandas as pd
+
+    s.require_whole()
+    s.apply(profiling.start, bool(s.plan.gpus), ranks=targets)
+    clocks = {r: _clock(s, r) for r in targets}
+    failure: DistCellError | None = None
+    try:
+        execution.run(s, code, targets, False, None, printer)
+    except DistCellError as e:
+        failure = e
+    finally:  # a failed cell too: the others' traces are worth having
+        alive = [r for r in targets if r not in supervision.dead_ranks(s, targets)]
+        got = s.apply_each(
+            {r: (profiling.stop, (int(max_mb * 2**20),)) for r in alive}, "profile stop"
+        )
+    too_big = {r: g["too_big"] for r, g in got.items() if "too_big" in g}
+    if too_big:
+        sizes = ", ".join(f"{rank_label([r])[1:-1]} {b / 2**20:.0f} MB" for r, b in too_big.items())
+        raise DistUsageError(
+            f"The traces are over the {max_mb:g} MB limit ({sizes}): profile fewer steps, or "
+            "raise it with --max-mb."
+        )
+    traces = [
+        timeline.RankTrace(
+            r,
+            json.loads(g["trace"]).get("traceEvents", []),
+            g["marks"],
+            g["collectives"],
+            clocks[r],
+        )
+        for r, g in sorted(got.items())
+        if "trace" in g
+    ]
+    timeline.align(traces)
+    folder = out or os.path.join(
+        "dist_profile", f"{name or 'cell'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    os.makedirs(folder, exist_ok=True)
+    files = {}
+    for r, g in sorted(got.items()):
+        if "trace" in g:
+            files[r] = os.path.join(folder, f"rank{r}.json")
+            with open(files[r], "w") as f:
+                f.write(g["trace"])
+    hosts = {rs.rank: rs.host for rs in s.book.rows}
+    merged = os.path.join(folder, "merged.json")
+    with open(merged, "w") as f:
+        json.dump(timeline.merged(traces, hosts), f)
+    ranks = pd.DataFrame(timeline.rank_rows(traces))
+    collectives = pd.DataFrame(timeline.collective_rows(traces))
+    from ..viz.profile_plots import plot_breakdown
+
+    result = ProfileResult(
+        ranks=ranks,
+        collectives=collectives,
+        figure=plot_breakdown(ranks),
+        folder=folder,
+        merged=merged,
+        files=files,
+        partial=sorted(failure.ranks) if failure else [],
+        size_bytes=sum(g.get("size", 0) for g in got.values()),
+    )
+    if failure is not None:
+        failure.profile = result  # the API's caller finds the traces on the error
+        raise failure
+    return result
+
+
+def _clock(s, rank: int) -> timeline.RankClock:
+    """The rank's wall clock against ours, from round trips through the store."""
+    samples = []
+    for _ in range(CLOCK_SAMPLES):
+        before = time.time_ns()
+        answer = s.rendezvous.ask([rank], "clock", 1.0).get(rank)
+        after = time.time_ns()
+        if answer is not None:
+            samples.append((before, int(answer), after))
+    return timeline.best_sample(samples) if samples else timeline.RankClock()
