@@ -5,6 +5,7 @@ own trace (``rankN.json``, with the distributed info HTA reads)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -28,12 +29,18 @@ class ProfileResult:
 
     ranks: Any  # DataFrame: wall, compute, communication, wait, idle (ms), top ops
     collectives: Any  # DataFrame: per collective, who arrived last and the wait it caused
-    figure: Any
     folder: str
     merged: str
     files: dict[int, str] = field(default_factory=dict)
     partial: list[int] = field(default_factory=list)
     size_bytes: int = 0
+
+    @functools.cached_property
+    def figure(self):
+        """The per-rank figure, drawn when first asked for (a draw costs 0.3-0.5 s)."""
+        from ..viz.profile_plots import plot_breakdown
+
+        return plot_breakdown(self.ranks)
 
     def summary(self) -> str:
         mb = self.size_bytes / 2**20
@@ -115,18 +122,15 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
             files[r] = os.path.join(folder, f"rank{r}.json")
             with open(files[r], "w") as f:
                 f.write(g["trace"])
-    hosts = {rs.rank: rs.host for rs in s.book.rows}
-    merged = os.path.join(folder, "merged.json")
-    with open(merged, "w") as f:
-        json.dump(timeline.merged(traces, hosts), f)
     ranks = pd.DataFrame(timeline.rank_rows(traces))
     collectives = pd.DataFrame(timeline.collective_rows(traces))
-    from ..viz.profile_plots import plot_breakdown
-
+    hosts = {rs.rank: rs.host for rs in s.book.rows}
+    merged = os.path.join(folder, "merged.json")
+    with open(merged, "w") as f:  # dumps: C's encoder; dump streams through Python's (5x)
+        f.write(json.dumps(timeline.merged(traces, hosts)))
     result = ProfileResult(
         ranks=ranks,
         collectives=collectives,
-        figure=plot_breakdown(ranks),
         folder=folder,
         merged=merged,
         files=files,
