@@ -21,7 +21,7 @@ import nbformat
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "0*.ipynb")))
+NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "[0-9][0-9]_*.ipynb")))
 
 # Cells (by id) whose outputs are not fully deterministic; every other cell must match.
 # shape: numbers masked (measurements, arrival order, float rounding across CPUs);
@@ -41,6 +41,9 @@ MODES = {
     # the live memory tiles (RSS or device memory) and a stage's timings
     **dict.fromkeys(["07-09", "07-14", "07-23", "07-26"], "shape"),
     "08-22": "shape",
+    # 10: the profile's figure and tables are measurements; the diff's largest difference
+    "10-06": "skip",
+    "10-13": "shape",
 }
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -179,6 +182,6 @@ def test_notebook_runs_top_to_bottom_and_shows_its_committed_outputs(path):
 
 
 def test_every_notebook_is_collected():
-    assert NOTEBOOKS, "no notebooks/0*.ipynb found"
+    assert NOTEBOOKS, "no notebooks/NN_*.ipynb found"
     ids = {c.id for p in NOTEBOOKS for c in nbformat.read(p, as_version=4).cells}
     assert set(MODES) <= ids, set(MODES) - ids  # the exceptions name cells that exist

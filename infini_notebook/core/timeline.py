@@ -210,6 +210,11 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
     return sorted(rows, key=lambda r: r["at_ms"])
 
 
+def _short(op: str) -> str:
+    """An op's name without autograd's long prefix."""
+    return op.removeprefix("autograd::engine::evaluate_function: ")
+
+
 def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
     """Per rank: wall, compute, communication, wait, idle (ms) and its top ops."""
     arrivals: dict[tuple, float] = {}
@@ -249,7 +254,9 @@ def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
                 "communication_ms": max(0.0, busy - wait) / 1000,
                 "wait_ms": wait / 1000,
                 "idle_ms": max(0.0, (hi - lo) - _union(compute + comm)) / 1000,
-                "top_ops": ", ".join(n for n, _ in sorted(ops.items(), key=lambda x: -x[1])[:top]),
+                "top_ops": ", ".join(
+                    _short(n) for n, _ in sorted(ops.items(), key=lambda x: -x[1])[:top]
+                ),
             }
         )
     return rows

@@ -28,9 +28,10 @@ def start(cuda: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     stop_quietly()
-    # libkineto logs each start and stop to fd 2 at its default level (INFO), which the
-    # next cell would show as late output; read once, as the first profiler starts
-    os.environ.setdefault("KINETO_LOG_LEVEL", "3")
+    # libkineto writes each start and stop to fd 2 (its STAGE and USDT levels, 3 and 5,
+    # above ERROR's 4, so nothing but 6 quiets them), which the next cell would show as
+    # late output. Read once, as the first profiler starts; a user's own setting stays.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU]
     if cuda and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
