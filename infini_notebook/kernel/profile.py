@@ -43,14 +43,16 @@ class ProfileResult:
         return plot_breakdown(self.ranks)
 
     def summary(self) -> str:
-        mb = self.size_bytes / 2**20
+        from ..viz.render import format_bytes
+
         part = (
             f"; partial (the cell failed) on {rank_label(self.partial)[1:-1]}"
             if self.partial
             else ""
         )
         return (
-            f"{len(self.files)} rank traces ({mb:.1f} MB) in {self.folder}/: merged.json opens "
+            f"{len(self.files)} rank traces ({format_bytes(self.size_bytes)}) in {self.folder}/: "
+            "merged.json opens "
             f"in https://ui.perfetto.dev or chrome://tracing, one track per rank{part}"
         )
 
@@ -88,8 +90,10 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         execution.run(s, code, targets, False, None, printer)
     except DistCellError as e:
         failure = e
-    finally:  # a failed cell too: the others' traces are worth having
-        alive = [r for r in targets if r not in supervision.dead_ranks(s, targets)]
+    finally:  # a failed cell too: the others' traces are worth having (not from a rank
+        # that died, or one stuck in its cell: the stop would queue behind it)
+        gone = set(supervision.dead_ranks(s, targets)) | s.book.stuck()
+        alive = [r for r in targets if r not in gone]
         got = s.apply_each(
             {r: (profiling.stop, (int(max_mb * 2**20),)) for r in alive}, "profile stop"
         )
@@ -138,7 +142,8 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         size_bytes=sum(g.get("size", 0) for g in got.values()),
     )
     if failure is not None:
-        failure.profile = result  # the API's caller finds the traces on the error
+        printer.out(f"{result.summary()}\n")  # where the traces are, above the error
+        failure.profile = result  # the API's caller finds them on the error
         raise failure
     return result
 
