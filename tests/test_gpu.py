@@ -263,3 +263,31 @@ def test_a_device_side_assert_is_reported_and_a_hard_restart_recovers(kernel):
     print(bad, after, restart, out, status, sep="\n----\n")  # what the user saw (-rP)
     assert "device-side assert" in bad or "CUDA error" in bad, bad
     assert "[rank 0] 2.0" in out, out
+
+
+def test_the_on_device_checksum_agrees_with_itself_on_the_cpu():
+    """%dist_diff sums a GPU tensor up on the GPU: the same arithmetic as on the CPU."""
+    from infini_notebook.engine.replica_check import device_checksum
+
+    t = torch.randn(3_000_001, device="cuda")
+    on_gpu = device_checksum(t.view(torch.uint8))
+    assert on_gpu == device_checksum(t.cpu().view(torch.uint8))
+    t[12345] += 1
+    assert device_checksum(t.view(torch.uint8)) != on_gpu
+
+
+def test_profile_on_a_gpu_rank_records_its_kernels(kernel, tmp_path):
+    """%%dist_profile with CUDA activity: GPU kernels count as compute on the rank's row."""
+    kernel.run("%dist_start --gpus 1 --timeout 60", timeout=300)
+    try:
+        code = (
+            "import json\n_p = dist_session.profile('x = torch.randn(2048, 2048, device=device)\\n"
+            f"for _ in range(20):\\n    x = x @ x / 2048', out={str(tmp_path)!r}, echo=False)\n"
+            "print(json.dumps(_p.ranks.to_dict('records')))"
+        )
+        rows = ast.literal_eval(text_of(kernel.run(code, timeout=180)).replace("null", "None"))
+        assert rows[0]["compute_ms"] > 0, rows
+        merged = (tmp_path / "merged.json").read_text()
+        assert '"cat": "kernel"' in merged or '"cat":"kernel"' in merged
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
