@@ -431,12 +431,10 @@ class Session:
         self.require_running()
         self.background.refuse("%dist_debug")
         targets = self._failed_ranks(ranks)
-        last = self.last
-        try:  # no process group is used: a session whose groups broke can debug too
-            execution.run(self, postmortem.DEBUG_CELL, targets, False, None,
-                          TextPrinter(True, owns_cell=True), needs_groups=False)  # fmt: skip
-        finally:
-            self.last = last
+        # no process group is used (a session whose groups broke can debug too), and the
+        # last cell stays the one inspected, its ranks still failed
+        printer = TextPrinter(True, owns_cell=True)
+        execution.run(self, postmortem.DEBUG_CELL, targets, False, None, printer, users=False)
 
     def _failed_ranks(self, ranks: str | list[int] | None) -> list[int]:
         """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""

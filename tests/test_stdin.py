@@ -51,6 +51,7 @@ def test_torch_distributed_breakpoint_steps_through_rank_1_while_rank_0_waits(ke
     first_prompt = ui.events.index(("prompt", "[rank 1] (Pdb) "))
     before = "".join(text for _, text in ui.events[:first_prompt])
     assert "Type 'up' to get to the frame" in before  # pdb's words come before its box
+    assert "[rank 1] > In[" in ui.shown["stdout"]  # pdb names the cell as the notebook does
     out = ui.shown["stdout"]
     assert "[rank 1] (Pdb) p x + 1\n[rank 1] 11\n" in out  # the answer kept in place
     assert "[rank 0] after 0 0" in out and "[rank 1] after 1 10" in out
@@ -105,8 +106,11 @@ def test_dist_debug_with_no_code_opens_pdb_in_the_failing_frame(kernel, two):
     assert ui.run("%dist_debug --ranks 1") == "ok"
     assert ui.prompts() == ["[rank 1] (Pdb) "] * 2
     assert "-> raise ValueError(y)" in ui.shown["stdout"]  # the user's frame, not torch's
+    assert ")f()" in ui.shown["stdout"] and "[rank 1] > In[" in ui.shown["stdout"]
     assert "[rank 1] 84" in ui.shown["stdout"]
     assert "[rank 1] 41" in text_of(kernel.run("%dist_debug print(y - 1)"))  # still there
+    states = text_of(kernel.run("print([r.state for r in dist_session.status()])"))
+    assert states.strip() == "['idle', 'failed']", states  # the debugger's cell is not one
 
 
 def test_auto_mode_cells_ask_too(kernel, two):

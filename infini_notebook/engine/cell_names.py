@@ -29,6 +29,7 @@ def install(shell) -> bool:
     if ok:
         _hook_cache(shell, compiler)
         _hook_warnings(compiler)
+        _hook_debugger(compiler)
     _state["installed"] = ok
     return ok
 
@@ -69,3 +70,22 @@ def _hook_warnings(compiler) -> None:
         return original(message, category, filename, lineno, line)
 
     warnings.formatwarning = formatwarning
+
+
+def _hook_debugger(compiler) -> None:
+    """pdb's frame lines (``> In[7](2)<module>()``) name a cell as the notebook does: bdb's
+    ``format_stack_entry`` (Lib/bdb.py) writes the file's canonic name, the temporary file.
+    Only the line shown changes: breakpoints still take the file's real name."""
+    import bdb
+
+    original = bdb.Bdb.format_stack_entry
+
+    def format_stack_entry(self, frame_lineno, lprefix=": "):
+        text = original(self, frame_lineno, lprefix)
+        filename = frame_lineno[0].f_code.co_filename
+        number = compiler._filename_map.get(filename)
+        if number is None:
+            return text
+        return text.replace(self.canonic(filename), f"In[{number}]", 1)
+
+    bdb.Bdb.format_stack_entry = format_stack_entry

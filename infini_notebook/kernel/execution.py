@@ -43,12 +43,15 @@ HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
 
 
 def run(
-    s, code: str, targets: list[int], collapse, max_lines, printer, needs_groups: bool = True
+    s, code: str, targets: list[int], collapse, max_lines, printer, users: bool = True
 ) -> CellResult:
+    """Run ``code`` on ``targets`` as a cell. ``users``: the user's own cell, which needs
+    whole process groups and becomes ``session.last`` and the ranks' last cell; False for
+    the kernel's own (%dist_debug's pdb), which is neither."""
     dead = supervision.dead_ranks(s, targets)
     if dead:
         raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
-    if needs_groups:
+    if users:
         s.require_whole()
     refuse_stuck(s, targets)
     labeler = StreamLabeler(collapse=collapse)
@@ -77,10 +80,12 @@ def run(
     finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
         s.engines.client.forget(ar.msg_ids)
         files.close()
-    s.last = result
+    if users:
+        s.last = result
     if result.errors:
         raise cell_error(s, result, targets, watch)
-    s.book.cell_ended(targets, failed=())
+    if users:
+        s.book.cell_ended(targets, failed=())
     return result
 
 

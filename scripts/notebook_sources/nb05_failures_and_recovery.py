@@ -85,7 +85,7 @@ CELLS = [
     [rank 1] Type 'up' to get to the frame that called dist.breakpoint(rank=1)
     [rank 1] > .../torch/distributed/__init__.py(134)breakpoint()
     [rank 1] (Pdb) up
-    [rank 1] > /tmp/ipykernel_30380/1687410256.py(2)<module>()
+    [rank 1] > In[12](2)<module>()
     [rank 1] -> torch.distributed.breakpoint(rank=1)
     [rank 1] (Pdb) p x + 1
     [rank 1] 11
