@@ -114,3 +114,14 @@ def test_the_collectives_never_move_a_clock_past_the_store_samples_bounds():
             ev["dur"] += 5000
     tl.align([a, b])
     assert abs(b.refine_us) <= 200 and abs(a.refine_us) <= 200
+
+
+def test_without_the_flight_recorder_the_trace_events_still_tell_who_was_late():
+    out = [synthetic(r, 1e9 * r, 0.0) for r in range(3)]
+    for t in out:
+        t.collectives = []
+    tl.align(out)
+    rows = tl.collective_rows(out)
+    assert len(rows) == 3 and all(r["last_rank"] == 2 for r in rows), rows
+    waits = {r["rank"]: r["wait_ms"] for r in tl.rank_rows(out)}
+    assert waits[0] == pytest.approx(900, abs=1) and waits[2] == pytest.approx(0, abs=0.5)

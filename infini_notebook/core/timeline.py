@@ -78,7 +78,9 @@ def collective_spans(trace: RankTrace) -> list[dict]:
     """The rank's collectives in its window, each with the group, sequence number, arrival
     (Flight Recorder) and, where the trace has its work event, start and end (µs, kernel
     clock). Matched in order per name: the n-th ``gloo:all_reduce`` entry is the n-th
-    ``gloo:all_reduce`` event, when the counts agree. Cached per clock shift."""
+    ``gloo:all_reduce`` event, when the counts agree. Without Flight Recorder entries (a
+    torch that keeps none), the events alone, numbered in order per name, each arriving
+    at its start. Cached per clock shift."""
     cached = trace.cache.get("spans")
     if cached is not None and cached[0] == (trace.shift_us, trace.refine_us):
         return cached[1]
@@ -110,6 +112,13 @@ def collective_spans(trace: RankTrace) -> list[dict]:
                 "end": None if ev is None else ev["ts"] + ev.get("dur", 0) + trace.shift_us,
             }
         )
+    if not entries:  # no Flight Recorder here: the trace's own events, numbered in order
+        for name, events in by_name.items():
+            for i, ev in enumerate(events):
+                start = ev["ts"] + trace.shift_us
+                end = start + ev.get("dur", 0)
+                out.append(dict(rank=trace.rank, name=name, pg="", group="", seq=i,
+                                arrive=start, start=start, end=end))  # fmt: skip
     trace.cache["spans"] = ((trace.shift_us, trace.refine_us), out)
     return out
 
