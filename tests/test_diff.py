@@ -47,6 +47,15 @@ def test_tp_shards_differ_by_design_and_only_across_tp(kernel, four):
     assert "2 differences in 2 of 2 tp groups" in out, out
 
 
+def test_a_kind_whose_groups_are_built_on_first_use(kernel, four):
+    """tp-dp groups do not exist until asked for: building them is collective, so every
+    rank takes part in the measuring, also those whose group is clean."""
+    kernel.run("%%dist\nv = torch.zeros(3)\nif rank == 3:\n    v[0] = 2.0")
+    kernel.run("d = %dist_diff v --group tp-dp", timeout=120)
+    rows = text_of(kernel.run("print(d.to_dict('records'))"))
+    assert "'ranks': 'rank 3'" in rows and "'max_abs_diff': 2.0" in rows, rows
+
+
 def test_nan_on_one_rank_is_reported(kernel, four):
     kernel.run("%%dist\nx = torch.ones(4)\nif rank == 2:\n    x[1] = float('nan')")
     kernel.run("d = %dist_diff x")

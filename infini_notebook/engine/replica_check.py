@@ -116,7 +116,8 @@ def largest_difference(a, b) -> float:
 def max_diffs(expression: str, kind: str, group: list[int], paths: list[str]) -> dict[str, float]:
     """For each of ``paths`` (the same on every rank of ``group``, same shape and dtype
     there), the largest absolute difference from ``group[0]``'s value: that rank broadcasts
-    each leaf over the group of ``kind`` (world: every rank) and each rank compares."""
+    each leaf over the group of ``kind`` (world: every rank) and each rank compares. A rank
+    with no ``paths`` only takes part in building the kind's groups, if not built yet."""
     import torch.distributed as dist
 
     from .bootstrap import user_namespace

@@ -44,14 +44,16 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
 
 def _measure(s, expression: str, kind: str, comparison: Comparison) -> None:
     """The largest difference of each leaf whose values differ, against the group's first
-    rank: every rank of a group with such leaves broadcasts and compares, over the group."""
+    rank: the ranks of a group with such leaves broadcast and compare, over the group."""
     if not comparison.measure:
         return
     s.require_whole()
+    # Every rank takes part: groups.get(kind) builds a kind's groups on first use, which
+    # is collective over all ranks; ranks with nothing to measure just return.
+    plan = {r: (group, paths) for _, group, paths in comparison.measure for r in group}
     calls = {
-        r: (replica_check.max_diffs, (expression, kind, group, paths))
-        for _, group, paths in comparison.measure
-        for r in group
+        r: (replica_check.max_diffs, (expression, kind, *plan.get(r, ([], []))))
+        for r in range(s.world_size)
     }
     found = s.apply_each(calls, "max_diffs")
     for row in comparison.rows:
