@@ -47,6 +47,8 @@ class Prompts:
         self.cell.wait_for_text(rank, question.get("sent") or {}, OUTPUT_WAIT_S)
         self.cell.show(final=False)
         password = bool(question.get("password"))
+        from IPython.core.error import StdinNotImplementedError  # what ipykernel raises
+
         self.s.book.set_prompt(rank, True)
         try:
             value = ask(f"{rank_label([rank])} {prompt}", password)
@@ -55,7 +57,7 @@ class Prompts:
         except KeyboardInterrupt:  # the Stop button ends the prompt, not the whole cell:
             self.stopped.add(rank)  # the rank leaves it, and its peers are released
             return {"stop": STOPPED}
-        except Exception:  # StdinNotImplementedError: this request allowed no stdin
+        except StdinNotImplementedError:  # the request that ran the cell allowed no stdin
             return {"error": f"input({prompt!r}) has no answer: {NO_STDIN}"}
         finally:
             self.s.book.set_prompt(rank, False)
