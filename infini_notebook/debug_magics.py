@@ -8,6 +8,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .core.errors import DistUsageError
+from .kernel.profile import DEFAULT_MAX_MB
 from .magics import _assigned, _session
 
 
@@ -70,7 +71,7 @@ class DebugMagics(Magics):
     @argument("--ranks", "-r", default=None, help="run on these ranks only, e.g. 0,2 or 1-3")
     @argument("--where", "-w", default=None, help="run where the layout says, e.g. pp=0")
     @argument("--out", "-o", default=None, help="the folder for the traces")
-    @argument("--max-mb", type=float, default=200.0, help="refuse traces over this size")
+    @argument("--max-mb", type=float, default=DEFAULT_MAX_MB, help="refuse traces over this size")
     @cell_magic
     def dist_profile(self, line: str, cell: str):
         """Run the cell as %%dist does, under torch.profiler on each rank (CPU, and CUDA on

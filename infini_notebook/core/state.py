@@ -19,8 +19,7 @@ class RankState:
     device: str
     device_name: str
     # idle, busy, prompt (at an input box), failed (raised), released (freed from a wait on
-    # a rank that failed),
-    # died, stuck (ignores interrupts and releases), stopped
+    # a rank that failed), died, stuck (ignores interrupts and releases), stopped
     state: str
     coords: dict = field(default_factory=dict)
     memory_used: int | None = None  # GPU ranks: the device's memory in use (bytes)

@@ -18,6 +18,7 @@ the last member to arrive: arrivals are the Flight Recorder's ``time_created_ns`
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 
 START_MARK, STOP_MARK = "infini::profile_start", "infini::profile_stop"
@@ -88,9 +89,7 @@ def collective_spans(trace: RankTrace) -> list[dict]:
     for ev in sorted((e for e in trace.events if is_collective(e)), key=lambda e: e["ts"]):
         by_name.setdefault(ev["name"], []).append(ev)
     entries = sorted(trace.collectives, key=lambda e: e["time_created_ns"])
-    counts: dict[str, int] = {}
-    for entry in entries:
-        counts[entry.get("profiling_name", "")] = counts.get(entry.get("profiling_name", ""), 0) + 1
+    counts = Counter(entry.get("profiling_name", "") for entry in entries)
     seen: dict[str, int] = {}
     out = []
     for entry in entries:

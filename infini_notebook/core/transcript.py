@@ -166,14 +166,17 @@ def _figures_together(items: list[Item]) -> list[Item]:
                for r in i.ranks]  # fmt: skip
     if len({r for r, _ in figures}) < 2:
         return items
+    together = Item(
+        tuple(sorted({r for r, _ in figures})), "figures", sorted(figures, key=lambda f: f[0])
+    )
     out: list[Item] = []
+    placed = False
     for item in items:
-        if item.kind == "rich" and is_figure(item.payload):
-            if not any(i.kind == "figures" for i in out):
-                ranks = tuple(sorted({r for r, _ in figures}))
-                out.append(Item(ranks, "figures", sorted(figures, key=lambda f: f[0])))
-            continue
-        out.append(item)
+        if not (item.kind == "rich" and is_figure(item.payload)):
+            out.append(item)
+        elif not placed:  # where the first figure was
+            out.append(together)
+            placed = True
     return out
 
 

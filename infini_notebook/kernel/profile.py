@@ -84,9 +84,9 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
 
     s.require_whole()
     s.apply(profiling.start, bool(s.plan.gpus), ranks=targets)
-    clocks = {r: _clock(s, r) for r in targets}
     failure: DistCellError | None = None
-    try:
+    try:  # from here on the profilers run: the finally stops them, whatever happens
+        clocks = {r: _clock(s, r) for r in targets}
         execution.run(s, code, targets, False, None, printer)
     except DistCellError as e:
         failure = e

@@ -110,8 +110,9 @@ def p2p_heatmap(
 ) -> Figure:
     """Sender x receiver bandwidth (``bench.run_p2p``'s src x dst DataFrame, or any square
     array; NaN diagonal left blank): a slow link is a dark cell, a slow rank a dark row and
-    column. Values are printed in the cells up to 16 ranks. ``hosts`` (one per rank): white
-    lines fence each host's block, so intra-node pairs sit on the diagonal blocks."""
+    column. Values are printed in the cells up to 16 ranks. ``hosts`` (one per rank): lines
+    in the background's color fence each host's block, so intra-node pairs sit on the
+    diagonal blocks."""
     from matplotlib import rc_context
 
     with rc_context(THEMED_RC):

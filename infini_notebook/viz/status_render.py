@@ -25,6 +25,7 @@ STATE_COLORS = {
     "died": "#444444",
     "stopped": "#6e6e6e",
 }
+STATE_WORDS = {"prompt": "at a prompt"}  # a state's name as a tile and the summary say it
 BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
 
 
@@ -65,12 +66,10 @@ def state_text(rs: RankState, busy_for: float | None = None) -> str:
     """``busy 1m05s`` once a rank has been busy a while: a long one may be stuck."""
     if rs.state == "died" and rs.exit_code is not None:
         return f"died (exit {rs.exit_code})"
-    if rs.state == "prompt":
-        return "at a prompt"
     if rs.state == "busy" and busy_for is not None and busy_for >= BUSY_SHOWN_AFTER_S:
         minutes, seconds = divmod(int(busy_for), 60)
         return f"busy {minutes}m{seconds:02d}s" if minutes else f"busy {seconds}s"
-    return rs.state
+    return STATE_WORDS.get(rs.state, rs.state)
 
 
 def status_tile_html(
@@ -105,8 +104,7 @@ def status_summary(
         counts[rs.state] = counts.get(rs.state, 0) + 1
     order = ["prompt", "busy", "stuck", "failed", "released", "died", "idle", "stopped"]
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
-    words = {"prompt": "at a prompt"}
-    parts = [f"{counts[s]} {words.get(s, s)}" for s in order if s in counts]
+    parts = [f"{counts[s]} {STATE_WORDS.get(s, s)}" for s in order if s in counts]
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
     spare = f" · {spares} spare engines for the next hard restart" if spares else ""
     session = f"session {session_line} · " if session_line else ""
