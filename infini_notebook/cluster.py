@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import signal
 import threading
 import time
 from typing import Any
-
-import psutil
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
@@ -28,7 +25,7 @@ from .kernel import diff, execution, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
-from .launch import engine_sets, launchers, prewarm, startup
+from .launch import engine_sets, launchers, machine, prewarm, startup
 from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
 from .launch.rendezvous import Rendezvous
@@ -83,33 +80,12 @@ def plan_from_options(options: StartOptions | None = None, **keywords) -> Sessio
         options = options or StartOptions(**keywords)
     except TypeError as e:  # a keyword that is no option
         raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
-    return make_plan(options, visible_gpus=visible_cuda_devices(), host_addresses=host_addresses())
-
-
-def host_addresses() -> list[str]:
-    """This machine's IPv4 addresses (for a bind address of 0.0.0.0: see plan.reachable)."""
-    import socket
-
-    return [
-        a.address
-        for addrs in psutil.net_if_addrs().values()
-        for a in addrs
-        if a.family == socket.AF_INET
-    ]
-
-
-def visible_cuda_devices() -> list[str]:
-    """CUDA_VISIBLE_DEVICES entries of the GPUs this process may use, one per GPU."""
-    try:
-        import torch
-
-        n = torch.cuda.device_count()
-    except Exception:
-        return []
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env:
-        return [x.strip() for x in env.split(",") if x.strip()][:n]
-    return [str(i) for i in range(n)]
+    return make_plan(
+        options,
+        visible_gpus=machine.visible_cuda_devices(),
+        host_addresses=machine.host_addresses(),
+        nccl_version=machine.nccl_version(),
+    )
 
 
 class Session:

@@ -3,10 +3,14 @@ thread: the release comes from another thread, as the rank's answering thread se
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 import time
+import types
 
 import pytest
+import torch
 
 from infini_notebook.engine import cell_end
 
@@ -20,16 +24,144 @@ def in_cell(fn):
         cell_end.finish(succeeded=False)
 
 
-def test_an_interrupting_release_raises_in_the_cell_thread_even_in_native_waits():
+class Parked:
+    """A native wait that only the "abort" ends: ``wait`` is a held lock's C ``acquire``,
+    as ``work.wait()`` or ``x.item()`` block in torch's C++ until NCCL is aborted."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.wait = self.lock.acquire
+
+    def abort(self):
+        self.lock.release()
+
+
+def release_then_abort(parked: Parked, delay: float) -> None:
+    """What rank_services.abort does, in its order: mark the release, then abort."""
+
+    def go():
+        cell_end.release("released for the test", True)
+        parked.abort()
+
+    threading.Timer(delay, go).start()
+
+
+def test_a_release_raises_in_a_thread_parked_in_a_wait_as_that_wait_returns():
+    parked, exits = Parked(), []
+
+    class Mine:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            exits.append(exc[0])
+
     def cell():
-        threading.Timer(0.2, cell_end.release, ("released for the test", True)).start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            time.sleep(0.01)  # stands in for a sync that returns once NCCL is aborted
-        return "went on"
+        release_then_abort(parked, 0.1)
+        with torch.no_grad(), Mine():
+            parked.wait()  # the exception fires here, as the wait returns
+            return "went on"
 
     with pytest.raises(cell_end.RankReleased, match="released for the test"):
         in_cell(cell)
+    assert exits == [cell_end.RankReleased]  # the with block saw it, as any exception
+    assert torch.is_grad_enabled()
+
+
+def test_a_release_never_raises_into_python_code_that_is_running():
+    """A thread running Python (a sync returned at once, as NCCL's do) is not interrupted:
+    its cell fails at its end instead, and nothing it was doing is cut short."""
+
+    def cell():
+        threading.Timer(0.05, cell_end.release, ("released for the test", True)).start()
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            time.sleep(0.005)
+        return "went on"
+
+    with cell_end._lock:
+        cell_end._state.update(in_cell=True, why=None)
+    assert cell() == "went on"
+    error = cell_end.finish(succeeded=True)
+    assert isinstance(error, cell_end.RankReleased) and "released for the test" in str(error)
+
+
+class Counted:
+    """A user's own context manager: every __enter__ must meet its __exit__."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+
+CONTEXTS = {
+    "no_grad": lambda: torch.no_grad(),
+    "inference_mode": lambda: torch.inference_mode(),
+    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("kind", [*CONTEXTS, "user"])
+def test_a_release_at_any_moment_leaves_torch_and_user_state_as_it_was(kind):
+    """Issue 39's reproduction, 50 of 50: a release lands while the cell loops through a
+    context manager; afterwards grad mode, inference mode, autocast and the user's own
+    context are as before, and the cell fails (at its end)."""
+    rng = random.Random(39)
+    counted = Counted()
+    make = CONTEXTS.get(kind, lambda: counted)
+    for run in range(50):
+        with cell_end._lock:
+            cell_end._state.update(in_cell=True, why=None)
+        timer = threading.Timer(rng.uniform(0, 0.02), cell_end.release, ("released", True))
+        timer.start()
+        deadline = time.monotonic() + 0.03
+        while time.monotonic() < deadline:
+            with make():
+                pass
+        timer.join()
+        error = cell_end.finish(succeeded=True)
+        assert isinstance(error, cell_end.RankReleased), run
+        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                 torch.is_autocast_enabled("cpu"), counted.depth)  # fmt: skip
+        assert state == (True, False, False, 0), (run, state)
+
+
+@pytest.mark.parametrize(
+    "line, parked",
+    [
+        ("x.item()", True),
+        ("work.wait()", True),
+        ("work.wait(timeout)", True),
+        ("torch.cuda.synchronize()", True),
+        ("y = x.tolist()", True),
+        ("x.sum()", False),
+        ("time.sleep(1)", False),
+        ("f(x.item())", False),  # stopped at f's call, the item() long done
+    ],
+)
+def test_a_known_wait_is_recognised_by_the_call_a_frame_is_stopped_at(line, parked):
+    """parked_in_wait on real frames stopped at a real call (``sys._getframe`` from inside
+    the callee's stand-in gives the caller's frame, stopped at that very call)."""
+    seen = {}
+
+    def stopped(*args, **kw):
+        seen["parked"] = cell_end.parked_in_wait(sys._getframe(1))
+
+    class Stub:
+        item = tolist = wait = synchronize = sum = staticmethod(stopped)
+        cuda = None
+
+    Stub.cuda = Stub
+    names = dict(x=Stub, work=Stub, torch=Stub, time=types.SimpleNamespace(sleep=stopped),
+                 f=lambda v: stopped(), timeout=1)  # fmt: skip
+    exec(compile(line, "<cell>", "exec"), names)
+    assert seen["parked"] is parked
 
 
 def test_a_release_swallowed_by_the_cell_still_fails_it():

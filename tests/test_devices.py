@@ -97,8 +97,10 @@ def test_the_count_path_is_unchanged(n, extra):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(gpus="4,4"), ["lists GPU 4 twice", "once"]),
-        (dict(gpus="2-4,3"), ["lists GPU 3 twice"]),
+        (dict(gpus="0,0", nccl_version=(2, 11, 4)), ["NCCL >= 2.12", "NCCL 2.11.4", "gloo"]),
+        (dict(gpus="0,0", gpu_memory_fraction=1.5), ["above 0", "at most 1", "0.45"]),
+        (dict(gpus="0,0", gpu_memory_fraction=0.0), ["above 0"]),
+        (dict(nprocs=2, gpu_memory_fraction=0.5), ["CPU ranks", "--gpus"]),
         (dict(gpus="4,5,6,7", visible_gpus=EIGHT[:4]), ["no GPU 4", "ids 0-3", "0,1,2,3"]),
         (dict(gpus="0-99999"), ["no GPU 99999"]),
         (dict(gpus=""), ["Bad --gpus", "--gpus 4,5,6,7"]),
@@ -169,3 +171,114 @@ def test_the_ready_line_names_gpus_and_threads_per_rank():
     )
     cpu = [RankState(r, 1, "h", "cpu", "cpu", "idle", threads=1) for r in range(2)]
     assert ready_text("gloo", cpu, "x") == "2 ranks ready (gloo; 1 thread per rank; x)."
+
+
+# --- several ranks on one GPU (--gpus 0,0) ------------------------------------------------
+
+
+def test_a_gpu_listed_twice_is_shared_by_two_ranks_that_see_it_once():
+    """CUDA (and torch's _parse_visible_devices) read a repeated CUDA_VISIBLE_DEVICES entry
+    as the end of the list, so ranks that share a GPU see it once, as cuda:0 here."""
+    plan = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    assert (plan.world_size, plan.backend, plan.gpus) == (2, "nccl", ("0", "0"))
+    assert [plan.cuda_devices(r) for r in range(2)] == [("0", 0), ("0", 0)]
+    assert [plan.physical_gpu(r) for r in range(2)] == ["0", "0"]
+    assert plan.shared_gpus == {"0": (0, 1)}
+
+
+def test_ranks_on_two_shared_gpus_see_both_in_first_use_order():
+    plan = make_plan(gpus="3,3,1,1", visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    assert [plan.cuda_devices(r) for r in range(4)] == [
+        ("3,1", 0),
+        ("3,1", 0),
+        ("3,1", 1),
+        ("3,1", 1),
+    ]
+    assert [plan.physical_gpu(r) for r in range(4)] == ["3", "3", "1", "1"]
+    assert plan.shared_gpus == {"3": (0, 1), "1": (2, 3)}
+
+
+def test_one_rank_per_gpu_keeps_cuda_local_rank_and_no_nccl_settings():
+    plan = make_plan(gpus=4, visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    assert [plan.cuda_devices(r) for r in range(4)] == [("0,1,2,3", r) for r in range(4)]
+    assert plan.shared_gpus == {} and plan.sharing_env(0, "s") == {}
+
+
+def test_ranks_sharing_a_gpu_get_distinct_nccl_host_ids_per_slot():
+    """NCCL's duplicate-GPU check compares host hash and bus id: ranks on one GPU need
+    distinct NCCL_HOSTIDs, ranks on distinct GPUs may share one (and keep P2P)."""
+    plan = make_plan(gpus="0,0,1,1", visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    envs = [plan.sharing_env(r, "sess") for r in range(4)]
+    ids = [e["NCCL_HOSTID"] for e in envs]
+    assert ids[0] != ids[1] and ids[2] != ids[3]  # the two ranks of each GPU differ
+    assert ids[0] == ids[2] and ids[1] == ids[3]  # one id per slot
+    assert all("sess" in i for i in ids)  # another session's ids differ
+    assert all(e["NCCL_NET"] == "Socket" and e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+    other = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    assert other.sharing_env(0, "other")["NCCL_HOSTID"] != ids[0]
+
+
+def test_a_new_nccl_shares_a_gpu_by_its_own_switch():
+    plan = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 31, 0))
+    assert plan.sharing_env(1, "s") == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def test_gloo_ranks_may_share_a_gpu_without_nccl_settings():
+    plan = make_plan(gpus="0,0", backend="gloo", visible_gpus=EIGHT, nccl_version=(2, 5, 0))
+    assert plan.gpus == ("0", "0") and plan.sharing_env(0, "s") == {}
+
+
+def test_memory_fraction_is_kept_for_the_ranks():
+    plan = make_plan(gpus="0,0", gpu_memory_fraction=0.45, visible_gpus=EIGHT)
+    assert plan.gpu_memory_fraction == 0.45
+    assert make_plan(gpus=1, visible_gpus=EIGHT).gpu_memory_fraction is None
+
+
+def test_sharing_reaches_the_engine_environment():
+    """What the kernel sends is what the rank's environment gets, a user's --env kept."""
+    from infini_notebook.engine import bootstrap
+
+    cfg = {"nccl_sharing": {"NCCL_HOSTID": "a", "NCCL_NET": "Socket"}}
+    env = bootstrap.sharing_environment(cfg, {"NCCL_NET": "IB"})
+    assert env == {"NCCL_HOSTID": "a"}
+
+
+def test_the_ready_line_and_status_say_which_ranks_share_which_gpu():
+    from infini_notebook.core.state import RankState
+    from infini_notebook.viz.status_render import ready_text, status_summary
+
+    rows = [
+        RankState(r, 1, "h", f"cuda:{r // 2}", "H100", "idle", gpu=str(r // 2), threads=4)
+        for r in range(4)
+    ]
+    shared = "GPU 0: ranks 0-1; GPU 1: ranks 2-3, shared: correctness, not speed"
+    assert ready_text("nccl", rows, "forked") == (
+        f"4 ranks ready (nccl; GPUs 0,1; 4 threads per rank; {shared}; forked)."
+    )
+    assert shared in status_summary(rows)
+    alone = [RankState(0, 1, "h", "cuda:0", "H100", "idle", gpu="0")]
+    assert "shared" not in ready_text("nccl", alone, "x") + status_summary(alone)
+
+
+def test_bench_figures_on_shared_gpus_say_they_are_not_the_hardwares():
+    import pandas as pd
+
+    from infini_notebook.core.busbw import format_table, p2p_summary
+    from infini_notebook.kernel.bench import shared_gpu_caveat
+    from infini_notebook.viz.bench_plots import p2p_heatmap, plot_busbw
+
+    plan = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 28, 9))
+    caveat = shared_gpu_caveat(plan)
+    assert caveat.startswith("ranks share GPU 0 (ranks 0-1): not the hardware's bandwidth")
+    assert shared_gpu_caveat(make_plan(gpus=2, visible_gpus=EIGHT)) == ""
+    row = dict(collective="all_reduce", group="world", group_size=2, ranks=(0, 1),
+               size_bytes=1024, count=256, dtype="float32", time_us=10.0, algbw_gbps=0.1,
+               busbw_gbps=0.1)  # fmt: skip
+    df = pd.DataFrame([row])
+    df.attrs["caveat"] = caveat
+    assert format_table(df).splitlines()[0] == f"# {caveat}"
+    assert plot_busbw(df)._suptitle.get_text() == caveat
+    matrix = pd.DataFrame([[float("nan"), 1.0], [1.0, float("nan")]])
+    matrix.attrs["caveat"] = caveat
+    assert p2p_summary(matrix, ["h", "h"]).splitlines()[0] == caveat
+    assert p2p_heatmap(matrix)._suptitle.get_text() == caveat

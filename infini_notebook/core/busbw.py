@@ -204,7 +204,7 @@ def format_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "# no results"
     attrs = df.attrs
-    lines: list[str] = []
+    lines: list[str] = [f"# {attrs['caveat']}"] if attrs.get("caveat") else []
     for (coll, kind), block in df.groupby(["collective", "group"], sort=False):
         sizes = sorted(set(block["group_size"]))
         lines.append(
@@ -261,7 +261,8 @@ def p2p_by_locality(matrix: pd.DataFrame, hosts: Sequence[str]) -> dict[str, flo
 
 def p2p_summary(matrix: pd.DataFrame, hosts: Sequence[str]) -> str:
     """The src x dst matrix, then the mean intra- and inter-node send bandwidth."""
-    lines = [matrix.round(3).to_string()]
+    caveat = matrix.attrs.get("caveat")
+    lines = ([caveat] if caveat else []) + [matrix.round(3).to_string()]
     for kind, gbps in p2p_by_locality(matrix, hosts).items():
         lines.append(f"mean {kind} send bandwidth: {gbps:.3f} GB/s")
     return "\n".join(lines)

@@ -4,6 +4,8 @@
 takes GPUs by id, for a shared machine. Ids count the kernel's visible GPUs as torch does:
 id k is the kernel's ``cuda:k``, the k-th entry of its CUDA_VISIBLE_DEVICES (``visible``
 below, one entry per GPU torch sees). A rank's physical GPU is the entry it is given.
+An id listed more than once (``--gpus 0,0``) puts that many ranks on the GPU: they share
+it, and NCCL needs to be told (``sharing_env``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 from .errors import DistUsageError
 from .options import count_or_ids
+from .ranks import format_ranks
 
 SPEC_HELP = "a count (--gpus 4) or GPU ids (--gpus 4,5,6,7, --gpus 2-5, or --gpus 3, for one)"
 MAX_GPU_ID = 4095  # bounds a range before it is expanded; no machine has that many GPUs
@@ -46,18 +49,13 @@ def gpu_count(gpus: GpuSpec) -> int | None:
 
 
 def parse_gpu_ids(spec: str) -> tuple[int, ...]:
-    """``4,5,6,7``, ``2-5`` or a mix (``0,2-3``) -> the ids, in the order given. A trailing
-    comma makes one id a list: ``--gpus 3,`` is GPU 3, where ``--gpus 3`` is three GPUs."""
+    """``4,5,6,7``, ``2-5`` or a mix (``0,2-3``) -> the ids, in the order given, repeats
+    kept (``0,0``: two ranks on GPU 0). A trailing comma makes one id a list: ``--gpus 3,``
+    is GPU 3, where ``--gpus 3`` is three GPUs."""
     entries = spec.replace(" ", "").split(",")
     if len(entries) > 1 and entries[-1] == "":
         entries.pop()
-    ids = [i for entry in entries for i in _id_range(spec, entry)]
-    twice = [i for n, i in enumerate(ids) if i in ids[:n]]
-    if twice:
-        raise DistUsageError(
-            f"--gpus {spec} lists GPU {twice[0]} twice: list each GPU once (one rank per GPU)."
-        )
-    return tuple(ids)
+    return tuple(i for entry in entries for i in _id_range(spec, entry))
 
 
 def _id_range(spec: str, entry: str) -> list[int]:
@@ -169,3 +167,69 @@ def visible_entry(visible: str | None, index: int) -> str:
     narrows the GPUs. What a rank whose host chose its GPUs reports."""
     entries = [x.strip() for x in (visible or "").split(",") if x.strip()]
     return entries[index] if entries else str(index)
+
+
+def sharing(gpus: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The GPUs more than one rank uses, each with its ranks: ``("0", "0", "1")`` ->
+    ``{"0": (0, 1)}``. Empty when every rank has a GPU of its own."""
+    ranks: dict[str, list[int]] = {}
+    for rank, gpu in enumerate(gpus):
+        ranks.setdefault(gpu, []).append(rank)
+    return {gpu: tuple(rs) for gpu, rs in ranks.items() if len(rs) > 1}
+
+
+def slot_on_gpu(gpus: Sequence[str], rank: int) -> int:
+    """Which of its GPU's ranks ``rank`` is: 0 for the first rank on that GPU, 1 for the
+    second... Ranks of one slot never share a GPU, so one NCCL host id per slot suffices."""
+    return gpus[:rank].count(gpus[rank])
+
+
+# NCCL refuses two ranks of a communicator on one GPU: init.cc's check ("Duplicate GPU
+# detected") compares the peers' host hash and bus id. Two ways past it, by version:
+# - NCCL >= 2.31 reads NCCL_MULTI_RANK_GPU_ENABLE=1 (init.cc) and keeps its intra-node
+#   transports (public runs: "NCCL 2.31's NCCL_MULTI_RANK_GPU_ENABLE=1 permits" it).
+# - Before that, misc/utils.cc getHostHash() takes the host hash from NCCL_HOSTID when set,
+#   read once per process before the first communicator: ranks of one GPU get distinct ids
+#   and so look like separate nodes. P2P and SHM need equal host hashes (transport/p2p.cc,
+#   shm.cc), so those peers connect over the NET transport: NCCL_NET=Socket (not an IB
+#   HCA, which a one-GPU box may lack), on the loopback interface the session already
+#   names (NCCL_SOCKET_IFNAME, engine.bootstrap.backend_defaults), and NVLS off (it needs
+#   every rank of a node on a distinct GPU). Ranks on distinct GPUs of one slot keep P2P.
+MULTI_RANK_GPU_NCCL = (2, 31, 0)
+HOSTID_NCCL = (2, 12, 0)  # the oldest misc/utils.cc read that takes NCCL_HOSTID
+
+
+def sharing_env(
+    gpus: Sequence[str], rank: int, nccl_version: tuple[int, ...] | None, session: str
+) -> dict[str, str]:
+    """What ``rank`` needs, before its first NCCL communicator, when its GPU is shared;
+    ``{}`` when no rank shares a GPU. ``session`` keeps host ids apart between sessions."""
+    if not sharing(gpus):
+        return {}
+    if nccl_version is not None and tuple(nccl_version) >= MULTI_RANK_GPU_NCCL:
+        return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    return {
+        "NCCL_HOSTID": f"infini-{session}-slot{slot_on_gpu(gpus, rank)}",
+        "NCCL_NET": "Socket",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+
+
+def check_sharing_nccl(gpus: Sequence[str], backend: str, nccl_version) -> None:
+    """Refuse shared GPUs on an NCCL that can do neither (before anything starts)."""
+    if backend != "nccl" or not sharing(gpus) or nccl_version is None:
+        return
+    if tuple(nccl_version) < HOSTID_NCCL:
+        have = ".".join(map(str, nccl_version))
+        raise DistUsageError(
+            f"Ranks sharing a GPU need NCCL >= {'.'.join(map(str, HOSTID_NCCL))} "
+            f"(NCCL_HOSTID), and this torch loads NCCL {have}. Give each rank its own GPU, "
+            "or use --backend gloo to share one."
+        )
+
+
+def sharing_text(gpus: Sequence[str]) -> str:
+    """'GPU 0: ranks 0-1, shared: correctness, not speed', one clause per shared GPU."""
+    shared = sharing(gpus)
+    clauses = [f"GPU {gpu}: ranks {format_ranks(list(rs))}" for gpu, rs in shared.items()]
+    return "; ".join(clauses) + ", shared: correctness, not speed" if clauses else ""

@@ -29,9 +29,16 @@ class StartOptions:
         type=count_or_ids,
         help="one rank per GPU (nccl): a count N (the first N visible), or GPU ids by "
         "CUDA_VISIBLE_DEVICES position, like 4,5,6,7 or 2-5 (3, for one); as under torchrun "
-        "each rank sees its node's GPUs and is pinned to cuda:LOCAL_RANK",
+        "each rank sees its node's GPUs and is pinned to cuda:LOCAL_RANK. An id listed "
+        "twice shares that GPU (0,0: two ranks on GPU 0, for correctness, not speed; "
+        "such ranks use `device`, their GPU's place in the list they see)",
     )
     nprocs: int | None = _opt(type=int, help="number of CPU ranks (gloo)")
+    gpu_memory_fraction: float | None = _opt(
+        type=float,
+        help="cap each rank's CUDA memory at this fraction of its GPU (0-1], so ranks that "
+        "share a GPU (--gpus 0,0) cannot starve each other",
+    )
     threads: int | None = _opt(
         type=int,
         help="threads per rank for torch, OpenMP and BLAS (default: the CPUs this process may "

@@ -11,7 +11,14 @@ import sys
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
-from .devices import choose_devices, remote_gpu_count, visible_entry
+from .devices import (
+    check_sharing_nccl,
+    choose_devices,
+    remote_gpu_count,
+    sharing,
+    sharing_env,
+    visible_entry,
+)
 from .errors import DistUsageError
 from .options import StartOptions
 
@@ -101,6 +108,8 @@ class SessionPlan:
     store_address: str = ""
     # Why engines are not forked from a warm template ("": they are; see template.py).
     template_off: str = ""
+    nccl_version: tuple[int, ...] | None = None  # the NCCL torch loads here (None: no CUDA)
+    gpu_memory_fraction: float | None = None  # --gpu-memory-fraction, per rank
 
     @property
     def device_kind(self) -> str:
@@ -110,8 +119,11 @@ class SessionPlan:
         """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU. As under torchrun,
         a rank sees every GPU its node's ranks use, in LOCAL_RANK order, so its own GPU is
         ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged.
-        Ranks started by ssh, mpiexec or Slurm get None for CUDA_VISIBLE_DEVICES: they keep
-        what their host or scheduler gave them (see ``launcher_device``)."""
+        Ranks sharing a GPU see it once (CUDA, and torch's _parse_visible_devices, treat a
+        repeated entry as the end of the list), so their device is its place in that list,
+        not LOCAL_RANK. Ranks started by ssh, mpiexec or Slurm get None for
+        CUDA_VISIBLE_DEVICES: they keep what their host or scheduler gave them (see
+        ``launcher_device``)."""
         if not self.gpus:
             return None
         places = self.placement.rank_places(self.world_size)
@@ -119,7 +131,19 @@ class SessionPlan:
         if self.placement.launcher != "local":
             return None, local_rank
         on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
-        return ",".join(gpu for _, gpu in on_node), local_rank
+        unique = list(dict.fromkeys(gpu for _, gpu in on_node))
+        return ",".join(unique), unique.index(self.gpus[rank])
+
+    @property
+    def shared_gpus(self) -> dict[str, tuple[int, ...]]:
+        """GPUs that several ranks use, with their ranks (``--gpus 0,0``)."""
+        return sharing(self.gpus)
+
+    def sharing_env(self, rank: int, session: str) -> dict[str, str]:
+        """What NCCL needs on ``rank`` for ranks that share a GPU (``devices.sharing_env``)."""
+        if self.backend != "nccl":
+            return {}
+        return sharing_env(self.gpus, rank, self.nccl_version, session)
 
     def physical_gpu(self, rank: int) -> str | None:
         """``rank``'s GPU as the kernel's CUDA_VISIBLE_DEVICES names it (an id, or a UUID
@@ -192,15 +216,23 @@ def make_plan(
     *,
     visible_gpus: list[str] | None = None,
     host_addresses: list[str] | None = None,
+    nccl_version: tuple[int, ...] | None = None,
     layout: dict | None = None,
     **keywords,
 ) -> SessionPlan:
     """Check every option against what this machine has; raise DistUsageError on the first
     problem with a message that names the fix. Without ``options``, the keywords (and
-    ``layout``) fill a StartOptions. ``host_addresses``: this machine's IP addresses."""
+    ``layout``) fill a StartOptions. ``host_addresses``: this machine's IP addresses;
+    ``nccl_version``: the NCCL torch loads here, for ranks that share a GPU."""
     if options is None:
         options = StartOptions(**keywords, **(layout or {}))
     plan = _make_plan(options, visible_gpus)
+    check_sharing_nccl(plan.gpus, plan.backend, nccl_version)
+    plan = replace(
+        plan,
+        nccl_version=nccl_version,
+        gpu_memory_fraction=_memory_fraction(options, plan),
+    )
     plan = replace(plan, template_off=template_off(options, plan))
     return with_addresses(plan, host_addresses or [])
 
@@ -291,6 +323,23 @@ def _make_plan(options: StartOptions, visible_gpus: list[str] | None) -> Session
         bind_address=bind_address,
         placement=Placement(env=parse_env(o.env)),
     )
+
+
+def _memory_fraction(o: StartOptions, plan: SessionPlan) -> float | None:
+    f = o.gpu_memory_fraction
+    if f is None:
+        return None
+    if not plan.gpus:
+        raise DistUsageError(
+            "--gpu-memory-fraction caps each rank's share of its GPU, and this session has CPU "
+            "ranks: drop it, or start GPU ranks with --gpus."
+        )
+    if not 0 < f <= 1:
+        raise DistUsageError(
+            f"--gpu-memory-fraction {f}: give a fraction of the GPU's memory per rank, above 0 "
+            "and at most 1 (two ranks sharing one GPU: 0.45 each leaves room for both)."
+        )
+    return float(f)
 
 
 def parse_hosts(text: str) -> tuple[tuple[str, int], ...]:

@@ -96,6 +96,8 @@ def bootstrap(cfg: dict) -> dict:
     _install_env_rendezvous()
     if cfg.get("cuda") is not None:
         torch.cuda.set_device(_device(torch, cfg))  # cuda:LOCAL_RANK, as torchrun code expects
+        if cfg.get("memory_fraction"):  # --gpu-memory-fraction: ranks sharing a GPU
+            torch.cuda.set_per_process_memory_fraction(cfg["memory_fraction"], _device(torch, cfg))
     rank_services.install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
@@ -149,6 +151,7 @@ def _set_environment(cfg: dict) -> None:
     env = engine_environment(cfg)
     iface = _loopback_interface() if cfg.get("loopback_only") else None
     env.update(backend_defaults(os.environ, iface))
+    env.update(sharing_environment(cfg, os.environ))
     from importlib.metadata import version  # torch is not imported yet: it reads these then
 
     for key, value in wait_probe.flight_recorder_env(version("torch")).items():
@@ -173,6 +176,12 @@ def backend_defaults(environ, loopback_iface: str | None) -> dict[str, str]:
     if loopback_iface:
         wanted.update(GLOO_SOCKET_IFNAME=loopback_iface, NCCL_SOCKET_IFNAME=loopback_iface)
     return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def sharing_environment(cfg: dict, environ) -> dict[str, str]:
+    """NCCL's settings for ranks that share a GPU (core/devices.sharing_env), set before the
+    first communicator; a user's own setting (--env, the kernel's environment) stays. Pure."""
+    return {k: v for k, v in cfg.get("nccl_sharing", {}).items() if k not in environ}
 
 
 def engine_environment(cfg: dict) -> dict[str, str]:

@@ -8,12 +8,18 @@
   the rank is in its cell: busy, and waiting (the wait probe reads the recorder) where a
   peer never comes, so that the kernel can release it. Polled with sleeps: the GIL stays
   free for the rank's answering thread.
-- A released rank fails its cell. After ``ncclCommAbort`` a waiting sync may return with the
-  buffer untouched (torch documents the abort for TORCH_NCCL_ASYNC_ERROR_HANDLING=0, where no
-  error is raised into the waiting call), and the cell would go on with unreduced numbers.
-  So the answering thread that aborts marks the cell released and raises ``RankReleased`` in
-  the cell's thread (``PyThreadState_SetAsyncExc``: raised at its next bytecode, once the
-  native wait returns), and the cell fails at its end even if user code swallowed that.
+- A released rank fails its cell, and the release never runs inside user code. The
+  answering thread marks the cell released, and the cell fails at its end (even if user code
+  swallowed an error on the way). An asynchronous exception (``PyThreadState_SetAsyncExc``)
+  fires at the thread's next bytecode, wherever that is: inside a ``with`` block's
+  ``__exit__`` it would skip the rest of it (grad mode left off, autocast left on, a user's
+  lock held). So one is raised only into a main thread parked in a known wait: its top frame
+  stopped at a call of ``.item()``, ``.wait()``, ``synchronize()`` ... (``parked_in_wait``),
+  and only before the abort that ends that wait (rank_services.abort), so the exception
+  fires as that call returns, in that frame, as if the call itself raised. A thread running
+  Python instead goes on until the next collective on the aborted communicator raises, or
+  the cell ends; what it computed after the wait in that cell is not to be trusted, and the
+  failure says so.
 
 Both hang on IPython's ``run_cell_async``, which ipykernel's two paths (plain and async
 cells) both go through.
@@ -94,16 +100,55 @@ def in_cell() -> bool:
 
 def release(why: str, interrupt: bool) -> bool:
     """From the answering thread, as this rank's wait is released: the running cell fails
-    with ``why``; with ``interrupt``, at once (NCCL: a sync may return normally after the
-    abort), else at its end (gloo: the closed connection raises in the wait itself). False
-    when no cell runs (nothing to fail)."""
+    with ``why`` at its end; with ``interrupt`` (NCCL, asked before the abort: a sync may
+    return normally after it), also at once where the main thread is parked in a known wait
+    (see the module's docstring). False when no cell runs (nothing to fail)."""
+    import sys
+
     with _lock:
         if not _state["in_cell"]:
             return False
         _state["why"] = why
-        if interrupt:
+        if interrupt and parked_in_wait(sys._current_frames().get(threading.main_thread().ident)):
             _set_async_exc(RankReleased)
         return True
+
+
+# Calls that block until a peer's data has come: torch's syncs and waits. A frame stopped at
+# one of these calls is parked in native code (a Python callee would be the top frame).
+WAIT_CALLS = frozenset(
+    {"item", "tolist", "cpu", "numpy", "wait", "synchronize", "_cuda_synchronize", "barrier"}
+)
+
+
+def parked_in_wait(frame) -> bool:
+    """Whether ``frame`` (a thread's top frame) is stopped at a call of a known wait: the
+    instruction it executes is a call whose callee is an attribute or global named in
+    WAIT_CALLS, with nothing but constants and locals between them as arguments
+    (``x.item()``, ``work.wait()``, ``torch.cuda.synchronize()``, ``work.wait(timeout)``)."""
+    if frame is None:
+        return False
+    import dis
+
+    callee, current = None, None  # the name loaded as the callee of the call being built
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti:  # f_lasti may point into the instruction's caches
+            break
+        if current is not None:
+            if current.opname in ("LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL"):
+                callee = current.argval
+            elif current.opname not in _ARGUMENT_OPS:
+                callee = None
+        current = ins
+    return current is not None and current.opname.startswith("CALL") and callee in WAIT_CALLS
+
+
+# What may stand between a wait's callee and its call: arguments that are constants or
+# locals, and the interpreter's own bookkeeping (3.11's PRECALL, KW_NAMES; 3.12's PUSH_NULL).
+_ARGUMENT_OPS = frozenset(
+    {"LOAD_CONST", "LOAD_FAST", "LOAD_NAME", "LOAD_DEREF", "PRECALL", "KW_NAMES", "PUSH_NULL"}
+    | {"CACHE", "EXTENDED_ARG"}
+)
 
 
 def _set_async_exc(exc) -> None:

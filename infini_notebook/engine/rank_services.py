@@ -125,14 +125,16 @@ def release(question: str) -> str:
 
 def abort(question: str) -> str:
     """Answer "abort ATTEMPT": abort this rank's NCCL communicators (only an abort ends a wait
-    in NCCL) and fail the running cell at once (see cell_end), unless the groups were
-    rebuilt since the kernel asked: a question answered late must not abort the new ones."""
+    in NCCL) and fail the running cell (see cell_end), unless the groups were rebuilt since
+    the kernel asked: a question answered late must not abort the new ones. The release
+    comes first: a main thread parked in a wait cannot leave it before the abort, so the
+    exception it gets fires as that wait returns, never in other code."""
     from . import cell_end, wait_probe
 
     if _stale(question.split(" ", 1)[1]):
         return "stale"
-    wait_probe.abort_groups()
     cell_end.release(RELEASED, interrupt=True)
+    wait_probe.abort_groups()
     return "aborted"
 
 

@@ -42,6 +42,7 @@ from ..core.busbw import (
     to_frame,
 )
 from ..core.errors import DistUsageError
+from ..core.ranks import format_ranks
 from ..engine.bench_kernels import engine_p2p, engine_step
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def run_bench(
         progress(len(steps), len(steps), "steps done")
     return to_frame(
         rows, check, iters=iters, warmup=warmup, timer="/".join(sorted(timers)),
-        backend=session.plan.backend,
+        backend=session.plan.backend, caveat=shared_gpu_caveat(session.plan),
     )  # fmt: skip
 
 
@@ -192,8 +193,22 @@ def run_p2p(
     if progress:
         progress(session.world_size, session.world_size, "pairs done")
     df = p2p_frame(times, session.world_size, nbytes)
-    df.attrs.update(iters=iters, warmup=warmup, dtype=dtype, backend=session.plan.backend)
+    df.attrs.update(
+        iters=iters, warmup=warmup, dtype=dtype, backend=session.plan.backend,
+        caveat=shared_gpu_caveat(session.plan),
+    )  # fmt: skip
     return df
+
+
+def shared_gpu_caveat(plan) -> str:
+    """Ranks sharing a GPU time-slice it and talk over loopback sockets: their figures say
+    nothing about the hardware. Labeled, not refused: the sweep still checks correctness
+    (--check) and shows which links work."""
+    shared = plan.shared_gpus
+    if not shared:
+        return ""
+    gpus = ", ".join(f"GPU {gpu} (ranks {format_ranks(list(rs))})" for gpu, rs in shared.items())
+    return f"ranks share {gpus}: not the hardware's bandwidth, a correctness check"
 
 
 def p2p_report(session, matrix: pd.DataFrame) -> tuple[str, list[str]]:

@@ -42,6 +42,10 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "backend": plan.backend,
         "timeout": plan.timeout,
         "cuda": plan.cuda_devices(rank),
+        # ranks sharing a GPU: NCCL's host id per slot (devices.sharing_env); the folder's
+        # random name keeps two sessions' ids apart
+        "nccl_sharing": plan.sharing_env(rank, os.path.basename(folder.path)),
+        "memory_fraction": plan.gpu_memory_fraction,
         "threads": plan.threads,
         **rdzv.engine_fields(),
         "layout": plan.layout,

@@ -79,6 +79,8 @@ def plot_busbw(
             ax.set_visible(False)
         if not collectives:
             axes[0].text(0.5, 0.5, "no benchmark rows", ha="center", va="center")
+        if df.attrs.get("caveat"):  # ranks share a GPU: not the hardware's figures
+            fig.suptitle(df.attrs["caveat"], fontsize=9)
     return settled_layout(fig)
 
 
@@ -145,6 +147,8 @@ def _heatmap(matrix: Any, title: str | None, hosts: Sequence[str] | None) -> Fig
     ax.set_ylabel(f"{getattr(index, 'name', None) or 'sender'} rank")
     size = getattr(matrix, "attrs", {}).get("size_bytes")
     ax.set_title(title or "send/recv bandwidth" + (f", {size_label(size)}B" if size else ""))
+    if getattr(matrix, "attrs", {}).get("caveat"):  # ranks share a GPU
+        fig.suptitle(matrix.attrs["caveat"], fontsize=9)
     if hosts is not None and len(set(hosts)) > 1:
         for i in range(n - 1):
             if hosts[i] != hosts[i + 1]:

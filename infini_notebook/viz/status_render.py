@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.devices import sharing_text
 from .render import CSS, coords_label, esc, format_bytes, grid_shape
 
 if TYPE_CHECKING:
@@ -108,7 +109,15 @@ def status_summary(
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
     spare = f" · {spares} spare engines for the next hard restart" if spares else ""
     session = f"session {session_line} · " if session_line else ""
-    return f"{session}{len(states)} ranks: " + ", ".join(parts) + template + spare
+    shared = _shared_gpus(states)
+    shared = f" · {shared}" if shared else ""
+    return f"{session}{len(states)} ranks: " + ", ".join(parts) + shared + template + spare
+
+
+def _shared_gpus(rows: Sequence[RankState]) -> str:
+    """'GPU 0: ranks 0-1, shared: correctness, not speed' where ranks share a GPU."""
+    gpus = [rs.gpu for rs in rows]
+    return sharing_text(gpus) if None not in gpus else ""
 
 
 def status_html(
@@ -152,9 +161,12 @@ def ready_text(backend: str, rows: Sequence[RankState], how: str) -> str:
     threads = sorted({rs.threads for rs in rows if rs.threads})
     parts = [backend]
     if gpus:
-        parts.append(f"GPUs {','.join(gpus)}")
+        parts.append(f"GPUs {','.join(dict.fromkeys(gpus))}")
     if threads:
         each = "/".join(map(str, threads))
         parts.append(f"{each} thread{'s' if threads != [1] else ''} per rank")
+    shared = _shared_gpus(rows)
+    if shared:
+        parts.append(shared)
     parts.append(how)
     return f"{len(rows)} ranks ready ({'; '.join(parts)})."
