@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU record in one command, on a machine with CUDA: device, driver, torch/CUDA/NCCL
 # versions, the GPU tests (-m gpu) and the all_reduce benchmark on every GPU, then a row
-# for docs/gpu.md. Logs go to OUTDIR (default gpu-check/).
+# for docs/gpu.md. Logs go to OUTDIR (default gpu-check/). On a one-GPU machine the
+# multi-rank NCCL tests run with four ranks sharing the GPU (tests/test_gpu_shared.py,
+# --gpus 0,0,0,0). Bounded to 6 minutes, so a 15-minute lease can run it twice.
 #
 #   scripts/gpu_check.sh [OUTDIR]
 #
@@ -29,9 +31,10 @@ versions=$("$py" -c "import torch; print(torch.__version__, torch.version.cuda, 
 read -r torch_v cuda_v nccl_v ngpus <<< "$versions"
 echo "torch $torch_v, CUDA $cuda_v, NCCL $nccl_v, driver $driver, $ngpus GPUs"
 
-"$py" -m pytest -m gpu -q -p no:cacheprovider -rsP -o timeout=150 tests 2>&1 | tee "$out/gpu_tests.log"
+timeout 330 "$py" -m pytest -m gpu -q -p no:cacheprovider -rsP -o timeout=150 --durations=15 \
+    tests 2>&1 | tee "$out/gpu_tests.log"
 tests=$(tail -1 "$out/gpu_tests.log" | sed 's/=//g; s/^ *//; s/ *$//')
-"$py" benchmarks/bench_allreduce.py --gpus "$ngpus" --repeats 5 2>&1 | tee "$out/bench.log"
+timeout 60 "$py" benchmarks/bench_allreduce.py --gpus "$ngpus" --repeats 5 2>&1 | tee "$out/bench.log"
 bench=$(grep -m1 "best:" "$out/bench.log" | sed 's/^ *//')
 
 device=$(head -1 "$out/devices.txt" | sed 's/ (UUID.*//; s/^GPU 0: //')
