@@ -147,3 +147,54 @@ def test_a_script_has_no_notebook_to_ask(session4):
     assert "StdinNotImplementedError: input('name? ') has no answer: there is no notebook" in (
         str(failed.value)
     )
+
+
+def test_the_question_log_is_read_whole_lines_only_and_skips_what_no_rank_wrote():
+    """Issue 39 item 2: questions are one appended log (one store operation each), so none
+    can be half there: a line still being written waits, a malformed one is skipped, and
+    every question after either is read. Answers no rank read are deleted after the cell."""
+    import json
+    from datetime import timedelta
+
+    from infini_notebook.core.plan import make_plan
+    from infini_notebook.engine.rank_services import session_store
+    from infini_notebook.engine.stdin_relay import prompt_key
+    from infini_notebook.launch.rendezvous import Rendezvous
+
+    rdzv = Rendezvous(make_plan(nprocs=2))
+    rdzv.host()
+    try:
+        rank = session_store(rdzv.engine_fields(), timedelta(seconds=10))
+        q = {"id": "1-a", "rank": 1, "prompt": "x? "}
+        rank.append(prompt_key("asks"), json.dumps(q)[:10])  # a write not finished yet
+        assert rdzv.prompts() == []
+        rank.append(prompt_key("asks"), json.dumps(q)[10:] + "\n")
+        assert rdzv.prompts() == [("1-a", q)]
+        rank.append(prompt_key("asks"), "not a question\n")
+        q2 = {"id": "0-b", "rank": 0, "prompt": "y? "}
+        rank.append(prompt_key("asks"), json.dumps(q2) + "\n")
+        assert rdzv.prompts() == [("0-b", q2)]  # read past the line no rank wrote
+        assert rdzv.prompts() == []  # each question once
+        rdzv.answer_prompt("1-a", {"value": "never read"})  # its rank died at the prompt
+        assert rank.check([prompt_key("answer", "1-a")])
+        rdzv.drop_unread_answers()
+        assert not rank.check([prompt_key("answer", "1-a")])
+    finally:
+        rdzv.close()
+
+
+def test_a_rank_that_dies_at_its_prompt_leaves_later_prompts_working(kernel, two):
+    """The rank dies while the person thinks; their answer goes nowhere, and is deleted;
+    after the hard restart a rank's input() is answered as before."""
+    ui = Frontend(kernel, ["too late"], think_s=2.0)
+    code = (
+        "%%dist --ranks 1\nimport os, threading\n"
+        "threading.Timer(0.5, os._exit, (3,)).start()\ninput('last words? ')"
+    )
+    assert ui.run(code) == "error"
+    assert "died" in ui.summary() or "exit" in ui.summary(), ui.summary()
+    kernel.run("%dist_restart --hard", timeout=240)
+    ui = Frontend(kernel, ["B0", "B1"])
+    assert ui.run("%%dist\nanswer = input(f'again{rank}? ')\nprint('got', answer)") == "ok"
+    assert sorted(ui.prompts()) == ["[rank 0] again0? ", "[rank 1] again1? "]
+    assert ui.shown["stdout"].count("got B") == 2

@@ -5,11 +5,13 @@ engine; the kernel's side is kernel/prompts.py.
 
 ipyparallel's engines take no input requests (ipykernel's ``raw_input`` raises
 StdinNotImplementedError when the request did not allow stdin), and a rank may be on
-another host. So the question goes through the kernel's TCPStore: the rank counts
-``prompt_key("count")`` up to n, sets ``prompt_key("ask", n)`` to the question (JSON: rank,
-prompt, password, the cell's msg_id, and how much of stdout and stderr it has sent, so
-that the kernel shows that text before the prompt), and polls for
-``prompt_key("answer", n)``: ``{"value": text}``, ``{"eof": true}`` or ``{"error": why}``.
+another host. So the question goes through the kernel's TCPStore: the rank appends one
+line to ``prompt_key("asks")``, the question as JSON (a random id, rank, prompt, password,
+the cell's msg_id, and how much of stdout and stderr it has sent, so that the kernel shows
+that text before the prompt), and polls for ``prompt_key("answer", id)``:
+``{"value": text}``, ``{"eof": true}`` or ``{"error": why}``, deleting it once read. One
+append is one store operation, so a question is either there whole or not at all: a Stop,
+a release or a dying rank can never leave a gap that later questions queue behind.
 Polled with short sleeps, so that the Stop button's SIGINT reaches the waiting rank.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import sys
 import time
 from datetime import timedelta
@@ -25,7 +28,7 @@ POLL_S = 0.05
 _state: dict = {}  # cfg, the store client (made on the first question), the kernel
 
 
-def prompt_key(what: str, n: int | None = None) -> str:
+def prompt_key(what: str, n: str | None = None) -> str:
     return "infini/stdin/" + what + ("" if n is None else f"/{n}")
 
 
@@ -85,17 +88,18 @@ def ask(prompt: str, password: bool = False) -> str:
         except Exception:
             pass
     store = _store()
-    n = store.add(prompt_key("count"), 1)
     kernel = _state["kernel"]
     parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else {}
+    n = f"{_state['cfg']['rank']}-{secrets.token_hex(8)}"
     question = {
+        "id": n,
         "rank": _state["cfg"]["rank"],
         "prompt": prompt,
         "password": password,
         "cell": (parent or {}).get("header", {}).get("msg_id"),
         "sent": output_streams.sent(),
     }
-    store.set(prompt_key("ask", n), json.dumps(question))
+    store.append(prompt_key("asks"), json.dumps(question) + "\n")
     key = prompt_key("answer", n)
     try:
         while not store.check([key]):

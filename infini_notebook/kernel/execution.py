@@ -76,6 +76,7 @@ def run(
         finally:
             s.book.set_busy(targets, False)
             cell.detach()
+            s.rendezvous.drop_unread_answers()
         result = collect(cell, time.perf_counter() - t0, watch, supervision.liveness(s))
     finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
         s.engines.client.forget(ar.msg_ids)

@@ -6,6 +6,7 @@ channel through the store (questions to each rank's answering thread, telemetry)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -16,6 +17,8 @@ from ..core.errors import DistUsageError
 from ..core.plan import LOOPBACK, SessionPlan, is_loopback
 from ..engine import rank_services
 from ..engine.stdin_relay import prompt_key
+
+log = logging.getLogger("infini_notebook")
 
 
 class Rendezvous:
@@ -30,7 +33,8 @@ class Rendezvous:
         self._keys = None  # the session's keys in it (a PrefixStore under the root)
         self._late: list[str] = []  # keys of answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
-        self._prompted = 0  # the ranks' questions for stdin read so far
+        self._prompted = 0  # bytes of the ranks' questions for stdin read so far
+        self._answered: list[str] = []  # answers given, deleted by the rank that reads one
         method = plan.init_method
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
 
@@ -139,26 +143,39 @@ class Rendezvous:
                     self._late.append(key)
         return out
 
-    def prompts(self) -> list[tuple[int, dict]]:
+    def prompts(self) -> list[tuple[str, dict]]:
         """The ranks' questions for stdin (engine/stdin_relay.py) not read yet, in the order
-        asked: ``[(n, question)]``, each to be answered with ``answer_prompt(n, reply)``."""
-        store = self._keys
-        if store is None:
+        asked: ``[(id, question)]``, each to be answered with ``answer_prompt(id, reply)``.
+        The questions are one appended log: whole lines only, from where we stopped."""
+        store, key = self._keys, prompt_key("asks")
+        if store is None or not store.check([key]):
             return []
+        written = store.get(key)
+        end = written.rfind(b"\n") + 1
+        lines, self._prompted = written[self._prompted : end], max(self._prompted, end)
         out = []
-        asked = store.add(prompt_key("count"), 0)
-        while self._prompted < asked:
-            key = prompt_key("ask", self._prompted + 1)
-            if not store.check([key]):  # counted, not written yet: read it next time
-                break
-            self._prompted += 1
-            out.append((self._prompted, json.loads(store.get(key))))
-            store.delete_key(key)
+        for line in lines.splitlines():
+            try:
+                question = json.loads(line)
+                out.append((str(question["id"]), question))
+            except (ValueError, KeyError, TypeError):  # not a question our ranks wrote
+                log.warning("ignored a malformed stdin question in the store")
         return out
 
-    def answer_prompt(self, n: int, reply: dict) -> None:
+    def answer_prompt(self, n: str, reply: dict) -> None:
         if self._keys is not None:
             self._keys.set(prompt_key("answer", n), json.dumps(reply))
+            self._answered.append(n)
+
+    def drop_unread_answers(self) -> None:
+        """Once a cell ended: delete the answers no rank read (it died or was stopped at its
+        prompt), so that none lingers in the store."""
+        answered, self._answered = self._answered, []
+        for n in answered:
+            try:
+                self._keys.delete_key(prompt_key("answer", n))
+            except Exception:  # the store is closing with the session
+                pass
 
     def telemetry(self, ranks: list[int]) -> dict[int, dict]:
         """The latest snapshot each rank's telemetry thread put in the store."""
