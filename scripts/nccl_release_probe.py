@@ -5,7 +5,11 @@ under a fresh store prefix, and an all_reduce on it. Prints each stage, so that 
 (faulthandler prints the stack of a SIGSEGV) names where it happens; the variant picks how the
 aborted groups are dropped.
 
-    python3 scripts/nccl_release_probe.py [destroy|keep]
+    python3 scripts/nccl_release_probe.py [destroy|keep|split]
+
+On torch 2.11 + NCCL 2.28.9 (H100, 2026-11-26) "destroy" runs to the end; inside a session
+the rebuild crashed in ``split_group`` (see engine/bootstrap.init_distributed); "split" is
+that step alone.
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ def rank_main(rank: int, port: int, variant: str) -> None:
     y = torch.full((1,), float(rank + 1), device=device)
     dist.all_reduce(y)
     say(rank, f"all_reduce after the rebuild: {y.item()} (3.0 expected)")
+    if variant == "split":  # what groups.py does next on a device-bound default group
+        sub = dist.split_group(split_ranks=[[0, 1]], timeout=timedelta(seconds=60))
+        say(rank, "split")
+        dist.all_reduce(y, group=sub)
+        say(rank, f"all_reduce on the split group: {y.item()} (6.0 expected)")
     dist.destroy_process_group()
     say(rank, "done")
 

@@ -236,13 +236,19 @@ def init_distributed(cfg: dict) -> None:
     device = _device(torch, cfg)
     timeout = timedelta(seconds=cfg["timeout"])
     store = dist.PrefixStore(attempt_prefix(cfg), _base_store(cfg, timeout))
+    # A group bound to its device inits NCCL at once and lets groups.py split communicators
+    # from it. Not in a process that aborted communicators: there split_group segfaulted
+    # (torch 2.11, NCCL 2.28.9, H100, 2026-11-26: faulthandler in dist.split_group on every
+    # rank of the rebuild; the same rebuild without splits ran, scripts/nccl_release_probe.py),
+    # so the rebuilt groups init lazily, each its own communicator (docs/gpu.md).
+    bind = device.type == "cuda" and not wait_probe.aborted_before()
     dist.init_process_group(
         cfg["backend"],
         store=store,
         rank=cfg["rank"],
         world_size=cfg["world_size"],
         timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if bind else None,
     )
     ns = user_namespace()
     layout = ParallelLayout(**cfg["layout"])

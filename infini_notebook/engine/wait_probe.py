@@ -223,11 +223,20 @@ def _address(addr: tuple) -> tuple[str, int]:
     return _host(addr[0]), addr[1]  # IPv6 addresses come with flow and scope too
 
 
+_aborted: list[bool] = []  # not empty once this process aborted its communicators
+
+
+def aborted_before() -> bool:
+    """Whether this process has aborted NCCL communicators (see bootstrap.init_distributed)."""
+    return bool(_aborted)
+
+
 def abort_groups() -> None:
     """Abort this rank's NCCL communicators, from any thread: a collective waiting in
     them raises (with TORCH_NCCL_ASYNC_ERROR_HANDLING set, instead of ending the process)."""
     import torch.distributed as dist
 
+    _aborted.append(True)
     c10d = dist.distributed_c10d
     try:  # every group at once, inside one ncclGroupStart/End (torch issue 119797)
         c10d._abort_process_group()
