@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import psutil
 import pytest
 from conftest import text_of, use_session
+
+from infini_notebook.core import async_cells
 
 SESSION = "--nprocs 4 --backend gloo --timeout 30"  # the session most tests here share
 
@@ -220,3 +223,38 @@ def test_start_shows_a_progress_bar_that_ends_complete(kernel):
     # the display is updated in place; nbclient keeps the last state
     assert "2/2 ranks initialised" in bars[-1]["data"]["text/plain"]
     kernel.run("%dist_stop")
+
+
+def test_top_level_await_is_refused_at_once_with_what_works_instead(kernel):
+    """Issue 39: an engine never answers a cell that awaits at its top level (the cell hung
+    until interrupted). It is refused before it is sent, in one line, and the way it names
+    runs the coroutine on every rank."""
+    use_session(kernel, SESSION)
+    t0 = time.monotonic()
+    cell = kernel.run("%%dist\nimport asyncio\nawait asyncio.sleep(0)", allow_error=True)
+    err = text_of(cell, "error")
+    assert time.monotonic() - t0 < 5
+    assert "Line 2 awaits at the top level" in err and "ThreadPoolExecutor" in err, err
+    assert "\n" not in err.strip() and "Traceback" not in err
+    instead = (
+        "%%dist\nimport asyncio, concurrent.futures\n"
+        "async def main():\n    await asyncio.sleep(0.01)\n    return rank * 2\n"
+        f"print('got', {async_cells.INSTEAD})"
+    )
+    out = text_of(kernel.run(instead), "stdout")
+    assert all(f"[rank {r}] got {2 * r}" in out for r in range(4)), out
+
+
+@pytest.mark.parametrize(
+    "source, line",
+    [
+        ("import asyncio\nawait asyncio.sleep(1)", 2),
+        ("async with lock:\n    pass", 1),
+        ("x = [i async for i in g()]", 1),
+        ("async def f():\n    await g()\nx = 1", None),
+        ("f = lambda: 1\nprint(f())", None),
+        ("def broken(:\n", None),  # a syntax error is the rank's to report
+    ],
+)
+def test_top_level_await_is_found_only_outside_functions(source, line):
+    assert async_cells.top_level_await(source) == line

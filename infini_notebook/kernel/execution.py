@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+from ..core import async_cells
 from ..core.errors import DistCellError, DistInterrupted, DistUsageError
 from ..core.output import (
     StreamLabeler,
@@ -48,6 +49,7 @@ def run(
     """Run ``code`` on ``targets`` as a cell. ``users``: the user's own cell, which needs
     whole process groups and becomes ``session.last`` and the ranks' last cell; False for
     the kernel's own (%dist_debug's pdb), which is neither."""
+    refuse_top_level_await(code)
     dead = supervision.dead_ranks(s, targets)
     if dead:
         raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
@@ -97,6 +99,20 @@ def _execute(view, code: str, name: str):
         return view.execute(code, silent=False, block=False, label=name or None)
     except TypeError:  # ipyparallel 8: no labels; the ranks use their own cell numbers
         return view.execute(code, silent=False, block=False)
+
+
+def refuse_top_level_await(code: str) -> None:
+    """A cell with top-level await never gets a reply from an engine: refuse it at once.
+    IPython syntax (magics, ``!ls``) becomes Python first, as the rank's IPython will do."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        code = TransformerManager().transform_cell(code)
+    except Exception:  # no IPython here (a script): plain Python
+        pass
+    line = async_cells.top_level_await(code)
+    if line is not None:
+        raise DistUsageError(async_cells.refusal(line))
 
 
 def refuse_stuck(s, targets: list[int]) -> None:
