@@ -100,6 +100,17 @@ def test_clear_output_per_rank_leaves_one_figure_and_frame_per_rank_figures_in_a
     assert text_of(cell, "stdout").splitlines() == [f"[rank {r}] frame 4" for r in range(4)]
 
 
+def test_a_clear_resets_the_line_cap_so_a_long_loop_ends_on_its_last_line(ranks4):
+    """Issue 39: 2,500 rounds of clear_output(wait=True) + print, on two ranks, cap 2000:
+    what each rank shows at the end is its last line, not the cap message."""
+    code = (
+        "%%dist --ranks 0,1\nfrom IPython.display import clear_output\n"
+        "for i in range(2500):\n    clear_output(wait=True)\n    print(f'step {i}')"
+    )
+    out = text_of(ranks4.run(code, timeout=300), "stdout")
+    assert out.splitlines() == ["[rank 0] step 2499", "[rank 1] step 2499"], out[-500:]
+
+
 def test_update_display_replaces_the_ranks_own_display(ranks4):
     cell = ranks4.run(
         "%%dist\nfrom IPython.display import display\nh = display(f'v0 on {rank}', "

@@ -112,3 +112,12 @@ def test_figures_of_several_ranks_come_together_in_rank_order_where_the_first_wa
     one = Transcript([0, 1])
     one.add_rich(1, png)  # a single rank's figure stays where it is
     assert shown(one.render(figures_together=True)) == [((1,), "rich", png)]
+
+
+def test_a_rank_that_clears_its_output_counts_toward_the_cap_afresh():
+    from infini_notebook.core.output import StreamLabeler
+
+    labeler = StreamLabeler(max_lines=3)
+    assert labeler.feed("stdout", {0: "a\nb\nc\nd\n", 1: "x\n"}).count("capped at 3") == 1
+    labeler.reset(0)  # rank 0 called clear_output
+    assert labeler.feed("stdout", {0: "e\n", 1: "y\n"}) == "[rank 0] e\n[rank 1] y\n"

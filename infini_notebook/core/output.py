@@ -97,6 +97,13 @@ class StreamLabeler:
             del self._open[key]
         return self._cap(key, "".join(f"{t}\n" for t in done))
 
+    def reset(self, rank: int) -> None:
+        """The rank cleared its output (``clear_output``): what it shows from now on counts
+        toward the cap afresh, so a loop that clears and prints ends showing its last line."""
+        for stream in ("stdout", "stderr"):
+            self.capped.discard((rank, stream))
+            self._lines.pop((rank, stream), None)
+
     def live(self) -> str:
         """The unfinished lines being rewritten in place (progress lines), labeled, one per
         rank and stream: what a display updated in place shows while the cell runs."""

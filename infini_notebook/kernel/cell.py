@@ -65,6 +65,7 @@ class Cell:
         self._live_text = ""
         self._replay_wanted = False
         self._replayed_at = 0.0
+        self._reset_at_next: set[int] = set()  # cleared with wait: the cap resets at output
         self._dirty_lock = threading.Lock()
         self.heard_at = time.monotonic()  # when the last output message arrived
         self.received = {(r, name): 0 for r in targets for name in ("stdout", "stderr")}
@@ -209,6 +210,9 @@ class Cell:
         """Put one rank's queued messages into its transcript; the items new to show."""
         items: list[Item] = []
         for event in events:
+            if event[0] in ("text", "rich") and rank in self._reset_at_next:
+                self._reset_at_next.discard(rank)  # clear_output(wait=True) acts now
+                self.labeler.reset(rank)
             if event[0] == "text":
                 _, stream, text = event
                 items += self._lines(rank, stream, self.labeler.complete(rank, stream, text))
@@ -217,6 +221,10 @@ class Cell:
                 items.append(Item((rank,), "rich", event[1]))
             elif event[0] == "clear":
                 self.transcript.clear(rank, wait=event[1])
+                if event[1]:
+                    self._reset_at_next.add(rank)
+                else:
+                    self.labeler.reset(rank)
             elif event[0] == "update":
                 self.transcript.update_display(rank, event[1])
             elif event[0] == "input":  # shown by the front end already: kept, not shown

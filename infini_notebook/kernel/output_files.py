@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections import deque
 
 from ..core.output import settle
@@ -29,6 +30,10 @@ class OutputFiles:
         self.dir = dir
         self.cell_name = cell_name or "a cell"
         self._files: dict[tuple[int, str], object] = {}
+        # The IO thread opens files as text arrives, while a Stop may close them from the
+        # cell's thread: one lock, and nothing opens once closed.
+        self._lock = threading.Lock()
+        self._closed = False
         self._tails = {(r, s): _Tail() for r in ranks for s in ("stdout", "stderr")}
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
@@ -46,16 +51,17 @@ class OutputFiles:
         if not text:
             return
         self._tails[(rank, stream)].add(text)
-        f = self._file(rank, stream)
-        if f is not None:
-            try:
-                f.write(text)
-            except (OSError, ValueError):  # a full disk, or closed after an interrupt
-                self._files[(rank, stream)] = None
+        with self._lock:
+            f = self._file(rank, stream)
+            if f is not None:
+                try:
+                    f.write(text)
+                except (OSError, ValueError):  # a full disk
+                    self._files[(rank, stream)] = None
 
     def _file(self, rank: int, stream: str):
         key = (rank, stream)
-        if key not in self._files and self.dir:
+        if key not in self._files and self.dir and not self._closed:
             try:
                 f = open(self.path(rank, stream), "a", encoding="utf-8", errors="replace")
                 f.write(f"\n===== {self.cell_name} =====\n")
@@ -71,13 +77,15 @@ class OutputFiles:
 
     def close(self) -> None:
         """Flush and close; text still trailing (a rank that ignored a Stop) is not kept."""
-        for key, f in self._files.items():
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
-            self._files[key] = None
+        with self._lock:
+            self._closed = True
+            for key, f in self._files.items():
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+                self._files[key] = None
 
 
 def _fix_mmap_threshold() -> bool:
