@@ -371,3 +371,53 @@ def test_a_dtensor_held_once_in_all_is_not_called_identical():
     assert [(r.ranks, r.what) for r in rows] == [
         ([1], "layout differs: Shard(dim=0) over world=4, Replicate() over world=4")
     ]
+
+
+TWIN = """
+import json, sys
+import torch, torch.distributed as dist
+from infini_notebook.engine.replica_check import measure
+from infini_notebook.groups import ParallelLayout, init_parallel_groups
+
+rank = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, rank == 0)
+dist.init_process_group("cpu:gloo", store=store, rank=rank, world_size=2)
+groups = init_parallel_groups(ParallelLayout(2))  # not "gloo": no twin until asked
+before = len(groups._cpu_twins)
+found = {"step": torch.tensor(3.0 + rank / 2)}
+got = measure(found, [("step", 0, 1, True)], groups, cpu=True)
+print(json.dumps([groups.backend, before, len(groups._cpu_twins), got]))
+dist.destroy_process_group()
+"""
+
+
+def test_cpu_leaves_go_over_a_gloo_twin_built_on_first_use_by_every_rank():
+    """The NCCL case (a backend that is not plain gloo, so CPU leaves need a twin),
+    emulated by two real processes on 'cpu:gloo': measuring a CPU leaf builds the world's
+    gloo twin on both ranks (collective) and sends over it."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWIN, str(r), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0] == ["cpu:gloo", 0, 1, {}], results
+    assert results[1] == ["cpu:gloo", 0, 1, {"step": 0.5}], results

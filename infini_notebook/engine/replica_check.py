@@ -162,23 +162,28 @@ def largest_difference(a, b) -> float | int | None:
 
 
 def max_diffs(expression: str, transfers: list[tuple[str, int, int, bool]], cpu: bool) -> dict:
+    """``measure`` for the leaves of ``expression`` in the rank's namespace, over its
+    ``groups``."""
+    from .bootstrap import user_namespace
+
+    ns = user_namespace()
+    found = leaves(eval(expression, ns)) if transfers else {}
+    return measure(found, transfers, ns["groups"], cpu)
+
+
+def measure(found: dict, transfers: list[tuple[str, int, int, bool]], groups, cpu: bool) -> dict:
     """For each ``(path, src, dst, on_cpu)`` in order: ``src`` sends its leaf (as bytes, so
     that any dtype goes over any backend) to ``dst``, which measures the largest difference
     from its own. Returns ``{path: difference}`` for the leaves this rank received.
 
     Every rank calls this, each with its own transfers in the order of one list, so the
     blocking sends and receives cannot deadlock. CPU leaves go over the gloo twin of the
-    world group; ``cpu`` (the same on every rank) builds it, which is collective, on an
-    NCCL session."""
+    world group (``groups.cpu_group``); ``cpu`` (the same on every rank) gets it first,
+    which builds it on a backend that is not gloo: a collective of every rank."""
     import torch
     import torch.distributed as dist
 
-    from .bootstrap import user_namespace
-
-    ns = user_namespace()
-    groups = ns["groups"]
     twin = groups.cpu_group("world") if cpu else None
-    found = leaves(eval(expression, ns)) if transfers else {}
     out = {}
     for path, src, dst, on_cpu in transfers:
         mine = local(found[path])
