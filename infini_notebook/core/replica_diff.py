@@ -88,16 +88,11 @@ def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | Non
     if missing:
         return Row(group, path, missing, "missing on these ranks")
     first = found[ranks[0]]
-    for key, what in (
-        ("kind", "kind"),
-        ("shape", "shape"),
-        ("dtype", "dtype"),
-        ("layout", "layout"),
-    ):
+    for key in ("kind", "shape", "dtype", "layout"):
         odd = [r for r in ranks[1:] if found[r].get(key) != first.get(key)]
         if odd:
             seen = ", ".join(f"{found[r].get(key)}" for r in [ranks[0], *odd])
-            return Row(group, path, odd, f"{what} differs: {seen}")
+            return Row(group, path, odd, f"{key} differs: {seen}")
     if first["kind"] != "tensor":
         odd = [r for r in ranks[1:] if found[r]["sum"] != first["sum"]]
         if odd:
