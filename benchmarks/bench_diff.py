@@ -12,8 +12,9 @@ Target (issue 31): at 1 GB per rank, the diff at least 2x faster than pulling (w
 uses shared memory between ranks and kernel on one host: across hosts every byte crosses
 the network), and it moves no tensor data: the kernel's RSS grows by less than 50 MiB
 during the diff (pulling holds every copy). Measured 2026-11-26 on this 2-core VM,
-4 ranks x 1 GB, --nudge: diff 2.98 s, +31 MiB; pull 8.31 s, +3170 MiB (2.8x). At 0.25 GB
-the fixed costs weigh more: 0.75 s against 1.27 s.
+4 ranks x 1 GB, --nudge: diff 3.08 s, +31 MiB; pull 9.41 s, +3165 MiB (3.1x; issue 39's
+checksums: SHA-1 of the elements' bits on the CPU, the nudged tensor sent point to point).
+At 0.25 GB the fixed costs weigh more: 0.75 s against 1.27 s (before issue 39).
 """
 
 from __future__ import annotations

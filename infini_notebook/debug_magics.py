@@ -54,9 +54,10 @@ class DebugMagics(Magics):
     def dist_diff(self, line: str):
         """Are the replicas still the same? Compares NAME within every group of a kind
         (default dp: the ranks that should hold the same values) by checksums computed where
-        the data lives; only for leaves that differ, the largest difference from the
-        group's first rank. Prints one line, or a table; returns the DataFrame where the
-        line is assigned (diffs = %dist_diff model).
+        the data lives; DTensors by their placements (ranks holding the same part; a group
+        holding each part once against the first group). Only for leaves that differ, the
+        largest difference from the rank compared with. Prints one line, or a table; returns
+        the DataFrame where the line is assigned (diffs = %dist_diff model).
         """
         args = parse_argstring(self.dist_diff, line)
         text, df = _session().diff(args.name, args.group, args.atol)

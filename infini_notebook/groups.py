@@ -108,12 +108,11 @@ class ParallelGroups:
             return self._by_ranks[key]
 
     def cpu_group(self, kind: str) -> ProcessGroup:
-        """Gloo twin of ``get(kind)`` for CPU-side control traffic (needs ``cpu=True``)."""
+        """Gloo twin of ``get(kind)`` for CPU tensors and control traffic: built at init with
+        ``cpu=True``, else on first use (collective, like ``get``), then kept."""
         pg = self.get(kind)
         if self.backend == "gloo":
             return pg
-        if not self._cpu:
-            raise ValueError("no gloo twins: call init_parallel_groups(..., cpu=True).")
         with self._lock:
             key = frozenset(self.layout.group_of(self.rank, kind))
             if key not in self._cpu_twins:
@@ -349,7 +348,7 @@ def init_parallel_groups(
 
     ``layout`` defaults to ``ParallelLayout.from_env`` (TP_SIZE, CP_SIZE, PP_SIZE, ...), so a
     torchrun script needs no arguments. ``kinds`` are built now; other kinds on first
-    ``get``. ``cpu=True`` adds gloo twins (``cpu_group(kind)``) when the backend is not gloo.
+    ``get``. ``cpu=True`` builds gloo twins (``cpu_group(kind)``) now when the backend is not gloo.
     ``timeout`` (a timedelta or seconds) is every group's collective timeout; it defaults to
     the default group's, as given to ``init_process_group``, where torch alone would give
     subgroups its own 10 or 30 minutes. Calling it again with the same arguments returns the

@@ -67,6 +67,9 @@ def test_missing_names_and_plain_values(kernel, four):
     kernel.run("%%dist\nif rank != 1:\n    only_some = 1\ncfg = {'lr': 0.1, 'step': rank % 2}")
     err = text_of(kernel.run("%dist_diff only_some", allow_error=True), "error")
     assert "'only_some' cannot be read on every rank (rank 1: NameError" in err, err
+    err = text_of(kernel.run("%dist_diff no_such_name", allow_error=True), "error")
+    assert "(ranks 0-3: NameError: name 'no_such_name' is not defined)" in err, err
+    assert err.count("NameError") == 1, err  # once, not once per rank
     kernel.run("d = %dist_diff cfg --group world")
     rows = text_of(kernel.run("print(d.to_dict('records'))"))
     assert "'leaf': 'step', 'ranks': 'ranks 1,3'" in rows and "compared by equality" in rows, rows
@@ -75,20 +78,219 @@ def test_missing_names_and_plain_values(kernel, four):
 # --------------------------------------------------------------------------- pure parts
 
 
-def test_the_on_device_checksum_sees_moved_and_changed_values():
+TRIALS, WIDTH = 100_000, 16
+
+
+def _trials(dtype, change: str, seed: int):
+    """TRIALS rows of WIDTH elements of ``dtype`` and the same rows changed: a random
+    permutation, signs flipped, one bit flipped, or the last bit moved +1/-1/-1/+1 over
+    four elements. Returns (base, changed) as the words the checksum reads."""
     import torch
 
-    from infini_notebook.engine.replica_check import checksum, device_checksum
+    from infini_notebook.engine.tensor_hash import words
 
-    t = torch.arange(1000, dtype=torch.float32)
-    raw = t.view(torch.uint8)
-    base = device_checksum(raw)  # the GPU path, run on the CPU
-    swapped = t.clone()
-    swapped[[3, 7]] = swapped[[7, 3]]
-    assert device_checksum(swapped.view(torch.uint8)) != base  # same sum, other places
-    assert device_checksum(t.clone().view(torch.uint8)) == base
-    assert checksum(t) == checksum(t.clone()) != checksum(swapped)
-    assert checksum(torch.zeros(2, dtype=torch.bfloat16)) != checksum(torch.zeros(3))
+    g = torch.Generator().manual_seed(seed)
+    shape = (TRIALS, WIDTH)
+    if dtype == torch.bool:
+        base = torch.rand(shape, generator=g) < 0.5
+    elif dtype.is_floating_point:
+        base = torch.randn(shape, generator=g).to(dtype)
+    else:
+        base = torch.randint(-9, 10, shape, generator=g, dtype=dtype)
+    if change == "permutation":
+        changed = base.gather(1, torch.rand(shape, generator=g).argsort(dim=1))
+    elif change == "sign flips":
+        flip = torch.rand(shape, generator=g) < 0.25
+        changed = base ^ flip if dtype == torch.bool else torch.where(flip, -base, base)
+    else:
+        w = words(base).view(shape).to(torch.int64, copy=True)
+        rows = torch.arange(TRIALS)
+        at = torch.rand(shape, generator=g).argsort(dim=1)
+        if change == "bit flip":
+            bits = 1 if dtype == torch.bool else 8 * base.element_size()
+            w[rows, at[:, 0]] ^= 1 << torch.randint(0, bits, (TRIALS,), generator=g)
+        else:  # the last bit's drift
+            for k, step in enumerate((1, -1, -1, 1)):
+                w[rows, at[:, k]] += step
+        return words(base).view(shape), w.to(words(base).dtype)
+    return words(base).view(shape), words(changed).view(shape)
+
+
+CHANGES = ("permutation", "sign flips", "bit flip", "last-bit drift")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "int32", "bool"])
+def test_the_device_checksum_has_no_collision_in_1e5_changes_of_each_kind(dtype):
+    """The checksum that runs on a GPU (engine/tensor_hash.py), run here on CPU tensors
+    10**5 times per kind of change: every changed tensor has another checksum."""
+    import torch
+
+    from infini_notebook.engine.tensor_hash import hash_sums
+
+    dtype = getattr(torch, dtype)
+    for seed, change in enumerate(CHANGES):
+        if dtype == torch.bool and change == "last-bit drift":
+            continue
+        base, changed = _trials(dtype, change, seed)
+        really = (base != changed).any(dim=1).tolist()
+        assert sum(really) > TRIALS // 2, change  # most trials change something
+        before, after = hash_sums(base), hash_sums(changed)
+        collisions = sum(1 for b, a, r in zip(before, after, really) if r and a == b)
+        assert collisions == 0, (dtype, change, collisions)
+        assert all(a == b for b, a, r in zip(before, after, really) if not r)
+
+
+def test_the_reported_collisions_are_gone_on_both_paths():
+    """issue 39: each pair collided under the old sums of 32-bit words modulo 2**31-1."""
+    import torch
+
+    from infini_notebook.engine.tensor_hash import checksum, device_checksum, words
+
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(16, generator=g) < 0.5
+    x = torch.randn(64, generator=g)
+    drift = x.clone()
+    for i, step in zip((3, 10, 20, 40), (1, -1, -1, 1)):
+        drift.view(torch.int32)[i] += step
+    pairs = [
+        (torch.tensor([1.0, 2, 2, 1]), torch.tensor([2.0, 1, 1, 2])),
+        (torch.tensor([3, 5, 9, 7]), torch.tensor([5, 3, 7, 9])),
+        (torch.tensor([1], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)),
+        (x, drift),
+        (mask, mask.flip(0) if not torch.equal(mask, mask.flip(0)) else ~mask),
+    ]
+    for a, b in pairs:
+        assert device_checksum(words(a)) != device_checksum(words(b)), (a, b)
+        assert checksum(a) != checksum(b), (a, b)
+        assert device_checksum(words(a)) == device_checksum(words(a.clone()))
+
+
+def test_the_cpu_and_device_checksums_give_the_same_verdicts():
+    """The CPU path (SHA-1 of the words) and the device path (hashes summed) read the same
+    words: for the same pairs, both say 'same' or both say 'different'."""
+    import torch
+
+    from infini_notebook.engine.tensor_hash import checksum, device_checksum
+
+    for seed, change in enumerate(CHANGES):
+        base, changed = _trials(torch.float32, change, seed)
+        for i in range(300):
+            for a, b in ((base[i], changed[i]), (base[i], base[i].clone())):
+                same_cpu = checksum(a) == checksum(b)
+                assert same_cpu == (device_checksum(a) == device_checksum(b)), (change, i)
+                assert same_cpu == torch.equal(a, b)
+
+
+def test_the_hash_is_murmur3_fmix64_in_wrapping_int64():
+    """The torch ops give the reference 64-bit arithmetic (multiplication wraps, shifts are
+    logical), the premise of the sums' collision chance."""
+    import torch
+
+    from infini_notebook.engine.tensor_hash import _mix
+
+    def fmix64(k):
+        m = (1 << 64) - 1
+        k ^= k >> 33
+        k = (k * 0xFF51AFD7ED558CCD) & m
+        k ^= k >> 33
+        k = (k * 0xC4CEB9FE1A85EC53) & m
+        return k ^ (k >> 33)
+
+    values = [0, 1, -1, 2**62 + 12345, -(2**63), 2**63 - 1, 0x123456789ABCDEF]
+    mixed = _mix(torch.tensor(values)).tolist()
+    assert [m % 2**64 for m in mixed] == [fmix64(v % 2**64) for v in values]
+
+
+def _every_dtype():
+    import torch
+
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", [str(d).replace("torch.", "") for d in _every_dtype()])
+def test_every_dtype_torch_has_is_described_changed_measured_and_sent(dtype):
+    """Whole tensors, views at an odd byte offset, strided views and 0-d tensors of every
+    dtype: described (checksum, NaN/Inf), a one-byte change seen on both paths, the
+    difference measured or None (no arithmetic for it), and the bytes sent rebuilt."""
+    import torch
+
+    from infini_notebook.engine.replica_check import (
+        as_bytes,
+        describe,
+        from_bytes,
+        largest_difference,
+        local,
+    )
+    from infini_notebook.engine.tensor_hash import checksum, device_checksum, words
+
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        values = torch.randn(12, generator=g)
+        t = torch.quantize_per_tensor(values, 0.1, 3 if dtype != torch.qint32 else 0, dtype)
+        other = torch.quantize_per_tensor(values + 1, 0.1, 3 if dtype != torch.qint32 else 0, dtype)
+    else:
+        size = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 2 if dtype == torch.bool else 256, (12 * size,), generator=g)
+        raw = raw.to(torch.uint8)
+        t = raw.view(dtype)
+        changed = raw.clone()
+        changed[size + 1 if size > 1 else 1] ^= 1
+        other = changed.view(dtype)
+    for view in (t, t[1:5], t[::3], t[2]):
+        d = describe(view)
+        assert d["dtype"] == str(dtype).replace("torch.", "") and len(d["sum"]) > 8
+        sent = from_bytes(as_bytes(local(view)).clone(), local(view))
+        assert torch.equal(words(sent), words(local(view)))
+    assert checksum(t) != checksum(other)
+    assert device_checksum(words(local(t))) != device_checksum(words(local(other)))
+    diff = largest_difference(local(t)[1:5], local(other)[1:5])
+    assert diff is None or diff != 0 or diff != diff  # measured, NaN or not measurable
+
+
+def test_integers_past_2_53_differ_by_their_exact_difference():
+    import torch
+
+    from infini_notebook.engine.replica_check import largest_difference
+
+    big = torch.tensor([2**53, 7], dtype=torch.int64)
+    assert largest_difference(big + 1, big) == 1  # through float64 it was 0: "identical"
+    extremes = torch.tensor([2**63 - 1]), torch.tensor([-(2**63)])
+    assert largest_difference(*extremes) == 2**64 - 1
+    top = torch.tensor([2**64 - 1], dtype=torch.uint64), torch.tensor([1], dtype=torch.uint64)
+    assert largest_difference(*top) == 2**64 - 2
+
+
+def test_numpy_arrays_are_compared_by_their_bytes_not_their_repr():
+    """A long array's repr elides its middle: one change in np.arange(10000) was missed."""
+    import numpy as np
+
+    from infini_notebook.engine.replica_check import describe
+
+    a = np.arange(10000)
+    b = a.copy()
+    b[5000] = -1
+    assert repr(a) == repr(b)
+    assert describe(a)["sum"] != describe(b)["sum"]
+    assert describe(a)["sum"] == describe(a.copy())["sum"]
+    assert describe(a)["sum"] != describe(a.astype(np.int32))["sum"]
+    objects = np.array([{"x": 1}] * 3000, dtype=object)
+    changed = objects.copy()
+    changed[1500] = {"x": 2}
+    assert describe(objects)["sum"] != describe(changed)["sum"]
+
+
+def test_an_unreadable_name_is_one_line_per_distinct_error():
+    from infini_notebook.core.replica_diff import unreadable
+
+    same = {r: "NameError: name 'x' is not defined" for r in range(4)}
+    assert unreadable("x", same) == (
+        "'x' cannot be read on every rank (ranks 0-3: NameError: name 'x' is not defined)."
+    )
+    mixed = {0: "KeyError: 'a'", 1: "NameError: n", 2: "KeyError: 'a'"}
+    assert unreadable("d", mixed) == (
+        "'d' cannot be read on every rank (ranks 0,2: KeyError: 'a'; rank 1: NameError: n)."
+    )
 
 
 def test_compare_finds_each_kind_of_difference():
@@ -108,4 +310,114 @@ def test_compare_finds_each_kind_of_difference():
         "n": ([1], "NaN present"),
         "extra": ([0], "missing on these ranks"),
     }
-    assert result.measure == [] and result.tensors == 3
+    assert result.transfers == [] and result.tensors == {"w", "b", "n"}
+
+
+def _dtensor(sum_, layout, part):
+    return {"kind": "tensor", "shape": [8, 4], "dtype": "float32", "device": "cpu",
+            "sum": sum_, "layout": layout, "part": part}  # fmt: skip
+
+
+def test_dtensor_shards_are_compared_only_with_the_same_shard():
+    """tp 2 x dp 2 (dp groups 0,2 and 1,3). FSDP2 over dp: each dp group holds one copy,
+    compared part by part with dp group 0's. TP over tp, compared over dp: the ranks of a
+    dp group hold the same tp shard. A shard is never compared with another shard."""
+    from infini_notebook.core.replica_diff import compare, summary
+
+    dp_groups = [[0, 2], [1, 3]]
+    fsdp = {
+        r: {"w": _dtensor(f"s{r // 2}", "Shard(dim=0) over dp=2", f"dp={r // 2}")} for r in range(4)
+    }
+    same = compare(fsdp, dp_groups, "dp")
+    assert same.rows == [] and same.dtensors == {"w": "groups"}
+    assert summary(same, same.rows, "dp", 2) == (
+        "all 1 tensors identical across 2 dp groups (1 DTensors sharded over each dp group: "
+        "each group's whole tensor compared with the first group's)"
+    )
+    fsdp[3]["w"] = dict(fsdp[3]["w"], sum="drifted")
+    drifted = compare(fsdp, dp_groups, "dp")
+    assert [(r.group, r.ranks, r.what) for r in drifted.rows] == [
+        ("dp group 1 (ranks 1,3)", [3], "values differ from dp group 0 (ranks 0,2)")
+    ]
+    assert drifted.transfers == [("w", 2, 3, True)]  # rank 2 holds dp=1 in dp group 0
+
+    tp = {r: {"w": _dtensor(f"t{r % 2}", "Shard(dim=0) over tp=2", f"tp={r % 2}"),
+              "b": _dtensor("bias", "Replicate() over tp=2", "")} for r in range(4)}  # fmt: skip
+    tp[3]["w"] = dict(tp[3]["w"], sum="drifted")
+    result = compare(tp, dp_groups, "dp")
+    assert [(r.group, r.leaf, r.ranks, r.what) for r in result.rows] == [
+        ("dp group 1 (ranks 1,3)", "w", [3], "values differ")
+    ]
+    assert result.transfers == [("w", 1, 3, True)] and result.dtensors == {
+        "w": "parts",
+        "b": "parts",
+    }
+
+
+def test_a_dtensor_held_once_in_all_is_not_called_identical():
+    from infini_notebook.core.replica_diff import compare, summary
+
+    world = {
+        r: {"x": _dtensor(f"s{r}", "Shard(dim=0) over world=4", f"world={r}")} for r in range(4)
+    }
+    result = compare(world, [[0, 1, 2, 3]], "world")
+    assert result.rows == [] and result.dtensors == {"x": "once"}
+    assert summary(result, result.rows, "world", 1) == (
+        "nothing to compare across 1 world group (1 DTensors with each part on one rank only: "
+        "not compared)"
+    )
+    world[1]["x"] = dict(world[1]["x"], layout="Replicate() over world=4", part="")
+    rows = compare(world, [[0, 1, 2, 3]], "world").rows
+    assert [(r.ranks, r.what) for r in rows] == [
+        ([1], "layout differs: Shard(dim=0) over world=4, Replicate() over world=4")
+    ]
+
+
+TWIN = """
+import json, sys
+import torch, torch.distributed as dist
+from infini_notebook.engine.replica_check import measure
+from infini_notebook.groups import ParallelLayout, init_parallel_groups
+
+rank = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, rank == 0)
+dist.init_process_group("cpu:gloo", store=store, rank=rank, world_size=2)
+groups = init_parallel_groups(ParallelLayout(2))  # not "gloo": no twin until asked
+before = len(groups._cpu_twins)
+found = {"step": torch.tensor(3.0 + rank / 2)}
+got = measure(found, [("step", 0, 1, True)], groups, cpu=True)
+print(json.dumps([groups.backend, before, len(groups._cpu_twins), got]))
+dist.destroy_process_group()
+"""
+
+
+def test_cpu_leaves_go_over_a_gloo_twin_built_on_first_use_by_every_rank():
+    """The NCCL case (a backend that is not plain gloo, so CPU leaves need a twin),
+    emulated by two real processes on 'cpu:gloo': measuring a CPU leaf builds the world's
+    gloo twin on both ranks (collective) and sends over it."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWIN, str(r), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0] == ["cpu:gloo", 0, 1, {}], results
+    assert results[1] == ["cpu:gloo", 0, 1, {"step": 0.5}], results

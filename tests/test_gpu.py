@@ -265,15 +265,25 @@ def test_a_device_side_assert_is_reported_and_a_hard_restart_recovers(kernel):
     assert "[rank 0] 2.0" in out, out
 
 
-def test_the_on_device_checksum_agrees_with_itself_on_the_cpu():
-    """%dist_diff sums a GPU tensor up on the GPU: the same arithmetic as on the CPU."""
-    from infini_notebook.engine.replica_check import device_checksum
-
-    t = torch.randn(3_000_001, device="cuda")
-    on_gpu = device_checksum(t.view(torch.uint8))
-    assert on_gpu == device_checksum(t.cpu().view(torch.uint8))
-    t[12345] += 1
-    assert device_checksum(t.view(torch.uint8)) != on_gpu
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs: one NCCL rank per GPU")
+def test_cpu_leaves_on_an_nccl_session_are_measured_over_a_gloo_twin(kernel):
+    """Adam's ``step`` stays on the CPU: measured over the world's gloo twin (built on
+    first use on every rank), where the NCCL group would refuse a CPU tensor."""
+    kernel.run("%dist_start --gpus 2 --timeout 60", timeout=300)
+    try:
+        kernel.run(
+            "%%dist\nnet = torch.nn.Linear(4, 4).to(device)\n"
+            "opt = torch.optim.Adam(net.parameters())\n"
+            "net(torch.ones(1, 4, device=device)).sum().backward()\nopt.step()\n"
+            "if rank == 1:\n    opt.state[net.weight]['step'] += 1\n"
+            "    opt.state[net.bias]['exp_avg'][0] += 0.5"
+        )
+        kernel.run("d = %dist_diff opt --group world", timeout=120)
+        rows = text_of(kernel.run("print(sorted(map(str, d.to_dict('records'))))"))
+        assert "'leaf': 'state.0.step', 'ranks': 'rank 1', 'max_abs_diff': 1.0" in rows, rows
+        assert "'leaf': 'state.1.exp_avg', 'ranks': 'rank 1', 'max_abs_diff': 0.5" in rows, rows
+    finally:
+        kernel.run("%dist_stop", allow_error=True)
 
 
 def test_profile_on_a_gpu_rank_records_its_kernels(kernel, tmp_path):

@@ -1,18 +1,18 @@
 """``%dist_diff`` on a rank: the leaves of a value (tensor, module, optimizer, state dict,
-nested dicts, lists and tuples), each summed up where its data lives, so that only a few
-bytes per leaf reach the kernel; then, for the leaves that differ in a group, the largest
-difference from the group's first rank, sent over the group itself. Runs inside each
-engine; the comparison is core/replica_diff.py.
+nested dicts, lists and tuples), each described in a few bytes (shape, dtype, checksum of
+its data where it lives: engine/tensor_hash.py; for a DTensor, its placements and which part
+this rank holds); then, for the leaves that differ, the largest difference from the rank
+each was compared with, sent from that rank. The comparison is core/replica_diff.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-CHUNK_WORDS = 1 << 22  # 32 MiB of int64 at a time for the on-device checksum
-PRIME = (1 << 31) - 1
+from .tensor_hash import checksum, word_dtype, words
 
 
 def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -36,39 +36,71 @@ def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def local(t):
-    """A tensor's own data: a DTensor's local shard, a sparse tensor densified."""
+    """A tensor's own data: a DTensor's local shard, a sparse tensor densified, a quantized
+    one's integers."""
+    import torch
+
     t = t.detach()
     to_local = getattr(t, "to_local", None)
     if callable(to_local):
         t = to_local()
-    return t.to_dense() if t.is_sparse else t
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.int_repr() if t.is_quantized else t
 
 
-def checksum(t) -> str:
-    """The bytes of ``t`` summed up: SHA-1 on the CPU (the fastest of hashlib's with the
-    CPU's SHA instructions: 1.5 GB/s a core here, blake2b 0.7); on a GPU two
-    position-weighted sums modulo a prime, computed there (only two numbers leave it)."""
-    t = local(t).contiguous()
-    raw = t.reshape(-1).view(__import__("torch").uint8)
-    if t.device.type == "cpu":
-        return hashlib.sha1(raw.numpy(), usedforsecurity=False).hexdigest()  # no copy
-    return device_checksum(raw)
+def placement(t) -> dict:
+    """A DTensor's layout (its placements over its mesh) and the part of it this rank holds:
+    its coordinates along the mesh dims that are not Replicate (empty: the whole tensor).
+    Ranks with the same layout and part hold the same values. {} for other tensors.
+    torch 2.13: ``DTensor.placements``, ``DTensor.device_mesh`` (torch/distributed/tensor/
+    _api.py), ``Placement.is_replicate()`` (torch/_C/_distributed.pyi),
+    ``DeviceMesh.get_coordinate()`` / ``.shape`` / ``.mesh_dim_names`` (device_mesh.py)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return {}
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]
+    coords = mesh.get_coordinate()
+    over = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+    part = [f"{n}={c}" for n, c, p in zip(names, coords, placements) if not p.is_replicate()]
+    return {
+        "layout": f"{', '.join(map(repr, placements))} over {over}",
+        "part": ", ".join(part),
+    }
 
 
-def device_checksum(raw) -> str:
-    """Two sums over the bytes as 32-bit words: of the words, and of each word times its
-    position (so that moved values differ), both modulo 2**31 - 1."""
+def nan_inf(t) -> dict:
+    """Whether a floating tensor holds NaN or Inf: one pass (a sum) where torch can sum the
+    dtype, the exact checks only when it says so. Formats named ``fn`` (finite numbers:
+    float8_e4m3fn, float4_e2m1fn_x2, ...) have no Inf, and torch no isinf for them."""
     import torch
 
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    plain = weighted = 0
-    for start in range(0, words.numel(), CHUNK_WORDS):
-        w = words[start : start + CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        w %= PRIME
-        pos = torch.arange(start + 1, start + 1 + w.numel(), device=w.device) % PRIME
-        plain = (plain + int(w.sum() % PRIME)) % PRIME
-        weighted = (weighted + int(((w * pos) % PRIME).sum() % PRIME)) % PRIME
-    return f"{plain:08x}{weighted:08x}-{words.numel()}"
+    if not (t.is_floating_point() or t.is_complex()) or t.device.type == "meta":
+        return {}
+    summable = t.element_size() > 1 and t.dtype != torch.complex32
+    if summable and bool(torch.isfinite(t.sum())):
+        return {}
+    nan = bool(torch.isnan(t).any())
+    inf = "fn" not in str(t.dtype) and bool(torch.isinf(t).any())
+    return {"nan": nan, "inf": inf}
+
+
+def describe_value(value: Any) -> dict:
+    """A plain leaf, compared by equality: its repr's digest; a numpy array's by its dtype,
+    shape and bytes (a long array's repr elides the middle)."""
+    text = repr(value)
+    digest = hashlib.blake2b(digest_size=16)
+    np = sys.modules.get("numpy")  # an ndarray means numpy is imported
+    if np is not None and isinstance(value, np.ndarray):
+        digest.update(f"{value.dtype.str} {value.shape}".encode())
+        if value.dtype.hasobject:
+            digest.update(repr(value.tolist()).encode())
+        else:
+            digest.update(np.ascontiguousarray(value).view(np.uint8))
+    else:
+        digest.update(text.encode())
+    return {"kind": "value", "value": text[:120], "sum": digest.hexdigest()}
 
 
 def describe(value: Any) -> dict:
@@ -76,16 +108,17 @@ def describe(value: Any) -> dict:
     import torch
 
     if not isinstance(value, torch.Tensor):
-        text = repr(value)
-        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-        return {"kind": "value", "value": text[:120], "sum": digest}
+        return describe_value(value)
     t = local(value)
-    info = {"kind": "tensor", "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-    info["sum"] = checksum(t)
-    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t.sum())):
-        info["nan"] = bool(torch.isnan(t).any())  # one pass above; these only when it says
-        info["inf"] = bool(torch.isinf(t).any())
-    return info
+    return {
+        "kind": "tensor",
+        "shape": list(value.shape),  # a DTensor's: the whole tensor's
+        "dtype": str(value.dtype).replace("torch.", ""),
+        "device": t.device.type,
+        "sum": checksum(t),
+        **nan_inf(t),
+        **placement(value),
+    }
 
 
 def digests(expression: str) -> dict:
@@ -100,35 +133,79 @@ def digests(expression: str) -> dict:
     return {"leaves": {path: describe(v) for path, v in leaves(value).items()}}
 
 
-def largest_difference(a, b) -> float:
-    """max |a - b| (NaN when either holds a NaN there); booleans count 1 per mismatch."""
+def largest_difference(a, b) -> float | int | None:
+    """max |a - b|: exact for integers (an int64 difference past 2**53 does not round to
+    0), NaN where either holds a NaN, 1 for booleans that differ; None for dtypes torch has
+    no arithmetic for (bits, sub-byte integers, float4 pairs)."""
     import torch
 
     if a.numel() == 0:
-        return 0.0
+        return 0
     if a.dtype == torch.bool:
         return float((a != b).any())
-    if a.is_complex():
-        return float((a - b).abs().max())
-    return float((a.double() - b.double()).abs().max())
+    try:
+        if a.is_complex():
+            return float((a.to(torch.complex128) - b.to(torch.complex128)).abs().max())
+        if a.is_floating_point():
+            return float((a.double() - b.double()).abs().max())
+        if a.element_size() < 8:
+            return int((a.long() - b.long()).abs().max())
+    except NotImplementedError:
+        return None
+    # 64-bit integers, in int64 order (uint64's with the top bit flipped): the larger less
+    # the smaller wraps past 2**63, and read unsigned it is exact.
+    flip = -(1 << 63) if a.dtype == torch.uint64 else 0
+    a, b = a.view(torch.int64) ^ flip, b.view(torch.int64) ^ flip
+    d = a.maximum(b) - a.minimum(b)
+    wrapped = d[d < 0]
+    return int(wrapped.max()) + (1 << 64) if wrapped.numel() else int(d.max())
 
 
-def max_diffs(expression: str, kind: str, group: list[int], paths: list[str]) -> dict[str, float]:
-    """For each of ``paths`` (the same on every rank of ``group``, same shape and dtype
-    there), the largest absolute difference from ``group[0]``'s value: that rank broadcasts
-    each leaf over the group of ``kind`` (world: every rank) and each rank compares. A rank
-    with no ``paths`` only takes part in building the kind's groups, if not built yet."""
-    import torch.distributed as dist
-
+def max_diffs(expression: str, transfers: list[tuple[str, int, int, bool]], cpu: bool) -> dict:
+    """``measure`` for the leaves of ``expression`` in the rank's namespace, over its
+    ``groups``."""
     from .bootstrap import user_namespace
 
     ns = user_namespace()
-    found = leaves(eval(expression, ns))
-    pg = ns["groups"].get(kind)
+    found = leaves(eval(expression, ns)) if transfers else {}
+    return measure(found, transfers, ns["groups"], cpu)
+
+
+def measure(found: dict, transfers: list[tuple[str, int, int, bool]], groups, cpu: bool) -> dict:
+    """For each ``(path, src, dst, on_cpu)`` in order: ``src`` sends its leaf (as bytes, so
+    that any dtype goes over any backend) to ``dst``, which measures the largest difference
+    from its own. Returns ``{path: difference}`` for the leaves this rank received.
+
+    Every rank calls this, each with its own transfers in the order of one list, so the
+    blocking sends and receives cannot deadlock. CPU leaves go over the gloo twin of the
+    world group (``groups.cpu_group``); ``cpu`` (the same on every rank) gets it first,
+    which builds it on a backend that is not gloo: a collective of every rank."""
+    import torch
+    import torch.distributed as dist
+
+    twin = groups.cpu_group("world") if cpu else None
     out = {}
-    for path in paths:
+    for path, src, dst, on_cpu in transfers:
         mine = local(found[path])
-        theirs = mine.clone()
-        dist.broadcast(theirs, src=group[0], group=pg)
-        out[path] = largest_difference(mine, theirs)
+        payload, pg = as_bytes(mine), None
+        if on_cpu or groups.backend == "gloo":
+            payload, pg = payload.cpu(), twin
+        if dist.get_rank() == src:
+            dist.send(payload, dst, group=pg)
+            continue
+        got = torch.empty_like(payload)
+        dist.recv(got, src, group=pg)
+        out[path] = largest_difference(mine, from_bytes(got.to(mine.device), mine))
     return out
+
+
+def as_bytes(t):
+    """``t``'s data as flat bytes: any dtype goes over any backend so."""
+    import torch
+
+    return words(t).view(torch.uint8)
+
+
+def from_bytes(data, like):
+    """Bytes from ``as_bytes`` back to a tensor of ``like``'s dtype and shape."""
+    return data.view(word_dtype(like)).view(like.dtype).reshape(like.shape)

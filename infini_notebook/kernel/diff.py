@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..core.errors import DistUsageError
 from ..core.ranks import rank_label
-from ..core.replica_diff import Comparison, compare, drop_within, summary
+from ..core.replica_diff import Comparison, compare, drop_within, summary, unreadable
 from ..engine import replica_check
 
 
@@ -30,10 +30,9 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
     got = s.apply(replica_check.digests, expression)
     missing = {r: d["missing"] for r, d in got.items() if "missing" in d}
     if missing:
-        where = "; ".join(f"{rank_label([r])[1:-1]}: {why}" for r, why in sorted(missing.items()))
-        raise DistUsageError(f"{expression!r} cannot be read on every rank ({where}).")
+        raise DistUsageError(unreadable(expression, missing))
     comparison = compare({r: d["leaves"] for r, d in got.items()}, groups, kind)
-    _measure(s, expression, kind, comparison)
+    _measure(s, expression, comparison)
     rows = drop_within(comparison.rows, atol)
     df = pd.DataFrame(
         [(r.group, r.leaf, rank_label(r.ranks)[1:-1], r.max_abs_diff, r.what) for r in rows],
@@ -42,21 +41,26 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
     return summary(comparison, rows, kind, len(groups)), df
 
 
-def _measure(s, expression: str, kind: str, comparison: Comparison) -> None:
-    """The largest difference of each leaf whose values differ, against the group's first
-    rank: the ranks of a group with such leaves broadcast and compare, over the group."""
-    if not comparison.measure:
+def _measure(s, expression: str, comparison: Comparison) -> None:
+    """The largest difference of each leaf whose values differ from its reference rank's:
+    the reference sends, the rank compares."""
+    if not comparison.transfers:
         return
     s.require_whole()
-    # Every rank takes part: groups.get(kind) builds a kind's groups on first use, which
-    # is collective over all ranks; ranks with nothing to measure just return.
-    plan = {r: (group, paths) for _, group, paths in comparison.measure for r in group}
+    # Every rank takes part: a gloo twin for CPU leaves is built on first use, which is
+    # collective over all ranks; ranks with nothing to send or receive just return.
+    cpu = any(on_cpu for *_, on_cpu in comparison.transfers)
     calls = {
-        r: (replica_check.max_diffs, (expression, kind, *plan.get(r, ([], []))))
+        r: (replica_check.max_diffs, (expression, _involving(comparison, r), cpu))
         for r in range(s.world_size)
     }
     found = s.apply_each(calls, "max_diffs")
     for row in comparison.rows:
-        if row.what == "values differ":
-            values = [found[r][row.leaf] for r in row.ranks if row.leaf in found.get(r, {})]
-            row.max_abs_diff = max(values) if values else None
+        if row.what.startswith("values differ"):
+            values = [found[r].get(row.leaf) for r in row.ranks]
+            known = [v for v in values if v is not None]
+            row.max_abs_diff = max(known) if len(known) == len(values) else None
+
+
+def _involving(comparison: Comparison, rank: int) -> list[tuple[str, int, int, bool]]:
+    return [t for t in comparison.transfers if rank in t[1:3]]
