@@ -88,8 +88,11 @@ def finish(succeeded: bool) -> BaseException | None:
             break
         except RankReleased as e:
             error = error or e
-    if why and error is None:
-        error = RankReleased(why)
+    if why and not isinstance(error, RankReleased):
+        # released: whatever the wait for device work raised after the abort (NCCL's
+        # "internal error" on an aborted communicator) is a consequence, not the cause
+        cause, error = error, RankReleased(why)
+        error.__cause__ = cause
     return error
 
 

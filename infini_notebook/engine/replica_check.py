@@ -81,9 +81,19 @@ def nan_inf(t) -> dict:
     summable = t.element_size() > 1 and t.dtype != torch.complex32
     if summable and bool(torch.isfinite(t.sum())):
         return {}
-    nan = bool(torch.isnan(t).any())
-    inf = "fn" not in str(t.dtype) and bool(torch.isinf(t).any())
+    nan = _any(torch.isnan, t)
+    inf = "fn" not in str(t.dtype) and _any(torch.isinf, t)
     return {"nan": nan, "inf": inf}
+
+
+def _any(check, t) -> bool:
+    """``check(t).any()``; through float32 where the device lacks the kernel for the dtype
+    (isinf on CUDA float8_e5m2 needs abs, which CUDA does not implement for it: seen on an
+    H100, torch 2.11). The cast keeps NaN and Inf."""
+    try:
+        return bool(check(t).any())
+    except (NotImplementedError, RuntimeError):
+        return bool(check(t.float()).any())
 
 
 def describe_value(value: Any) -> dict:
