@@ -156,6 +156,7 @@ def test_the_question_log_is_read_whole_lines_only_and_skips_what_no_rank_wrote(
     import json
     from datetime import timedelta
 
+    from infini_notebook.core import signing
     from infini_notebook.core.plan import make_plan
     from infini_notebook.engine.rank_services import session_store
     from infini_notebook.engine.stdin_relay import prompt_key
@@ -163,16 +164,21 @@ def test_the_question_log_is_read_whole_lines_only_and_skips_what_no_rank_wrote(
 
     rdzv = Rendezvous(make_plan(nprocs=2))
     rdzv.host()
+    log = prompt_key("asks")
+
+    def line(q: dict) -> bytes:  # as a rank writes it: signed with the session's key
+        return signing.sign(rdzv.mac_key, log, json.dumps(q)) + b"\n"
+
     try:
         rank = session_store(rdzv.engine_fields(), timedelta(seconds=10))
         q = {"id": "1-a", "rank": 1, "prompt": "x? "}
-        rank.append(prompt_key("asks"), json.dumps(q)[:10])  # a write not finished yet
+        rank.append(log, line(q)[:80])  # a write not finished yet
         assert rdzv.prompts() == []
-        rank.append(prompt_key("asks"), json.dumps(q)[10:] + "\n")
+        rank.append(log, line(q)[80:])
         assert rdzv.prompts() == [("1-a", q)]
-        rank.append(prompt_key("asks"), "not a question\n")
+        rank.append(log, "not a question\n")
         q2 = {"id": "0-b", "rank": 0, "prompt": "y? "}
-        rank.append(prompt_key("asks"), json.dumps(q2) + "\n")
+        rank.append(log, line(q2))
         assert rdzv.prompts() == [("0-b", q2)]  # read past the line no rank wrote
         assert rdzv.prompts() == []  # each question once
         rdzv.answer_prompt("1-a", {"value": "never read"})  # its rank died at the prompt

@@ -14,13 +14,36 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from infini_notebook.core import signing
+from infini_notebook.engine.rank_services import ALIVE_KEY, session_root
+
 WATCHER = """\
 import sys, time
 from infini_notebook.engine.rank_services import watch_store
-watch_store("127.0.0.1", int(sys.argv[1]), every=0.2, lost_after=float(sys.argv[2]))
+port, lost_after, token, key = sys.argv[1:]
+watch_store("127.0.0.1", int(port), token, key, every=0.2, lost_after=float(lost_after))
 print("watching", flush=True)
 time.sleep(60)
 """
+
+TOKEN, KEY = "a" * 32, signing.new_key()
+
+
+def kernel_store() -> dist.TCPStore:
+    """A store as the kernel hosts it: the session's signed alive key under its root."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    keys = dist.PrefixStore(session_root(TOKEN), store)
+    keys.set(ALIVE_KEY, signing.sign(KEY, ALIVE_KEY, "alive"))
+    return store
+
+
+def start_watcher(port: int, lost_after: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", WATCHER, str(port), str(lost_after), TOKEN, KEY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 class Relay:
@@ -78,14 +101,9 @@ class Relay:
 
 
 def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_rank():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    store = kernel_store()
     relay = Relay(store.port)
-    watcher = subprocess.Popen(
-        [sys.executable, "-c", WATCHER, str(relay.port), "3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    watcher = start_watcher(relay.port, 3)
     try:
         assert watcher.stdout.readline().strip() == "watching"
         before = relay.accepted
@@ -108,3 +126,26 @@ def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_ran
     assert code == 3
     assert "lost the kernel's store for 3 s" in watcher.stderr.read()
     assert 3 <= took < 15, took
+
+
+def test_a_foreign_store_on_the_old_port_does_not_keep_the_rank_alive():
+    """Issue 44 item 4: the kernel dies, another user binds a TCPStore on the freed port
+    (any TCPStore answers a bare check); the rank still ends once lost_after passes."""
+    store = kernel_store()
+    port = store.port
+    watcher = start_watcher(port, 3)
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        del store  # the kernel is gone, its port free
+        foreign = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+        foreign.set(f"{session_root(TOKEN)}/{ALIVE_KEY}", b"alive")  # even under our root
+        t0 = time.monotonic()
+        code = watcher.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    assert code == 3, code
+    assert "not the session's" in watcher.stderr.read()
+    assert took < 15, took

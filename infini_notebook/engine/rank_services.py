@@ -19,13 +19,15 @@ import threading
 import time
 from datetime import timedelta
 
+from ..core import signing
+
 
 def start(cfg: dict) -> None:
     """Start this rank's service threads (bootstrap, before torch.distributed is set up)."""
     if cfg.get("watch", "pid") == "pid":
         watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
     else:  # the kernel is on another host: its store going away is the signal
-        watch_store(cfg["master_addr"], cfg["master_port"])
+        watch_store(cfg["master_addr"], cfg["master_port"], cfg["token"], cfg["mac_key"])
     install_stack_dumper(cfg)
     if cfg.get("stack_file"):
         install_signal_dump(cfg["stack_file"])
@@ -50,7 +52,7 @@ def install_stack_dumper(cfg: dict) -> None:
     and the scratch file are this engine's, so it works on any host. The counter is read
     here, before bootstrap returns, so that no request can come before the thread listens."""
 
-    rank = cfg["rank"]
+    rank, key = cfg["rank"], cfg["mac_key"]
     store = session_store(cfg, timedelta(seconds=60))
     answered = store.add(stack_key(rank, "count"), 0)
     scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
@@ -63,11 +65,15 @@ def install_stack_dumper(cfg: dict) -> None:
             except Exception:  # no request yet, or the kernel is gone (the watchers end us)
                 time.sleep(1.0)
                 continue
-            answered += 1
             try:
-                question = store.get(ask).decode()
-                store.set(stack_key(rank, "answer", answered), answer(question, scratch))
+                question = signing.verify(key, ask, store.get(ask))
                 store.delete_key(ask)
+                if question is None:  # not the kernel's: dropped, and the number waits on
+                    _say(f"an unsigned question to rank {rank} was ignored")
+                    continue
+                answered += 1
+                reply = stack_key(rank, "answer", answered)
+                store.set(reply, signing.sign(key, reply, answer(question.decode(), scratch)))
             except Exception:
                 pass
 
@@ -230,6 +236,7 @@ def install_telemetry(cfg: dict) -> None:
     kernel's TCPStore from a thread of our own, so it stays fresh while a cell runs (also on
     another host). Its own store client: the stack thread's sits in a long wait."""
     rank = cfg["rank"]
+    key = telemetry_key(rank)
     gpu = cfg["cuda"][1] if cfg.get("cuda") is not None else None  # device index: LOCAL_RANK
 
     def publish() -> None:
@@ -242,7 +249,8 @@ def install_telemetry(cfg: dict) -> None:
             try:
                 if store is None:
                     store = session_store(cfg, timedelta(seconds=10))
-                store.set(telemetry_key(rank), json.dumps(_snapshot(proc, gpu)))
+                snapshot = json.dumps(_snapshot(proc, gpu))
+                store.set(key, signing.sign(cfg["mac_key"], key, snapshot))
             except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
                 store = None
             time.sleep(TELEMETRY_INTERVAL_S)
@@ -300,54 +308,70 @@ def session_store(cfg: dict, timeout: timedelta):
 
 
 STORE_LOST_AFTER_S = 60.0  # a remote rank reconnects to the kernel's store this long
+ALIVE_KEY = "infini/alive"  # set by the kernel, signed: what the store watcher checks
 
 
-def watch_store(host: str, port: int, every: float = 1.0, lost_after: float = STORE_LOST_AFTER_S):
+def watch_store(
+    host: str,
+    port: int,
+    token: str,
+    mac_key: str,
+    every: float = 1.0,
+    lost_after: float = STORE_LOST_AFTER_S,
+):
     """Exit when the kernel's TCPStore is gone: after three missed checks, reconnect with
     backoff, and give up (exit code 3, saying why) only after ``lost_after`` seconds
     without it. A dropped connection (a network blip, a NAT timeout) is not the kernel
-    gone: one lost connection used to end a remote rank at once."""
+    gone: one lost connection used to end a remote rank at once. A check is the kernel's
+    signed ALIVE_KEY under the session's root: any TCPStore answers a bare check, and
+    another user who binds the freed port must not keep this rank (and its GPU) alive."""
 
     def connect():
         import torch.distributed as dist
 
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        return dist.PrefixStore(session_root(token), store)
+
+    def ours(store) -> bool:
+        return signing.verify(mac_key, ALIVE_KEY, store.get(ALIVE_KEY)) is not None
 
     def watch() -> None:
-        store = _reconnect(connect, None, lost_after)
+        store = _reconnect(connect, ours, lost_after)
         misses = 0
         while True:
             time.sleep(every)
             try:
-                store.check(["infini/alive"])
-                misses = 0
+                misses = 0 if store.check([ALIVE_KEY]) and ours(store) else misses + 1
             except Exception:
                 misses += 1
             if misses >= 3:
-                store, misses = _reconnect(connect, store, lost_after), 0
+                store, misses = _reconnect(connect, ours, lost_after), 0
 
     threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
 
 
-def _reconnect(connect, store, lost_after: float):
-    """A new client of the store, retried with backoff for ``lost_after`` seconds; then the
-    rank ends: its kernel is gone."""
+def _reconnect(connect, ours, lost_after: float):
+    """A new client of the kernel's store (one that holds the session's signed key), retried
+    with backoff for ``lost_after`` seconds; then the rank ends: its kernel is gone."""
     deadline = time.monotonic() + lost_after
     delay = 0.5
     while True:
         try:
-            return connect()
+            store = connect()
+            if store.check([ALIVE_KEY]) and ours(store):
+                return store
+            why = "a store answers there, but not the session's"
         except Exception as e:
-            if time.monotonic() + delay > deadline:
-                print(
-                    f"infini_notebook: lost the kernel's store for {lost_after:.0f} s ({e}); "
-                    "this rank ends",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(3)
+            why = str(e)
+        if time.monotonic() + delay > deadline:
+            _say(f"lost the kernel's store for {lost_after:.0f} s ({why}); this rank ends")
+            os._exit(3)
         time.sleep(delay)
         delay = min(2 * delay, 8.0)
+
+
+def _say(text: str) -> None:
+    print(f"infini_notebook: {text}", file=sys.stderr, flush=True)
 
 
 def watch_parent(kernel_pid: int, kernel_start: float) -> None:

@@ -9,7 +9,9 @@ another host. So the question goes through the kernel's TCPStore: the rank appen
 line to ``prompt_key("asks")``, the question as JSON (a random id, rank, prompt, password,
 the cell's msg_id, and how much of stdout and stderr it has sent, so that the kernel shows
 that text before the prompt), and polls for ``prompt_key("answer", id)``:
-``{"value": text}``, ``{"eof": true}`` or ``{"error": why}``, deleting it once read. One
+``{"value": text}``, ``{"sealed": ...}`` (getpass), ``{"eof": true}`` or ``{"error": why}``,
+deleting it once read. Both are signed with the session's key (core/signing.py): an answer
+another local user writes is dropped, never typed into the prompt. One
 append is one store operation, so a question is either there whole or not at all: a Stop,
 a release or a dying rank can never leave a gap that later questions queue behind.
 Polled with short sleeps, so that the Stop button's SIGINT reaches the waiting rank.
@@ -23,6 +25,8 @@ import secrets
 import sys
 import time
 from datetime import timedelta
+
+from ..core import signing
 
 POLL_S = 0.05
 _state: dict = {}  # cfg, the store client (made on the first question), the kernel
@@ -99,22 +103,37 @@ def ask(prompt: str, password: bool = False) -> str:
         "cell": (parent or {}).get("header", {}).get("msg_id"),
         "sent": output_streams.sent(),
     }
-    store.append(prompt_key("asks"), json.dumps(question) + "\n")
-    key = prompt_key("answer", n)
-    try:
-        while not store.check([key]):
-            time.sleep(POLL_S)  # SIGINT (an interrupt of the whole cell) raises here
-    except KeyboardInterrupt:
-        raise _stop("interrupted at the prompt") from None
-    reply = json.loads(store.get(key))
-    store.delete_key(key)
+    mac_key = _state["cfg"]["mac_key"]
+    log = prompt_key("asks")
+    store.append(log, signing.sign(mac_key, log, json.dumps(question)) + b"\n")
+    reply = _signed_answer(store, mac_key, prompt_key("answer", n))
     if "error" in reply:
         raise StdinNotImplementedError(reply["error"])
     if "stop" in reply:
         raise _stop(reply["stop"])
     if reply.get("eof"):
         raise EOFError
+    if "sealed" in reply:  # a getpass answer: it crossed the store encrypted
+        return signing.unseal(mac_key, prompt_key("answer", n), reply["sealed"])
     return reply["value"]
+
+
+def _signed_answer(store, mac_key: str, key: str) -> dict:
+    """The kernel's answer under ``key``, deleted once read. One that our key did not sign
+    (another local user writing into the store) is dropped and said, and the wait goes on."""
+    while True:
+        try:
+            while not store.check([key]):
+                time.sleep(POLL_S)  # SIGINT (an interrupt of the whole cell) raises here
+        except KeyboardInterrupt:
+            raise _stop("interrupted at the prompt") from None
+        body = signing.verify(mac_key, key, store.get(key))
+        store.delete_key(key)
+        if body is not None:
+            return json.loads(body)
+        rank = _state["cfg"]["rank"]
+        print(f"infini_notebook: an unsigned answer to rank {rank}'s prompt was ignored",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _stop(why: str) -> BaseException:

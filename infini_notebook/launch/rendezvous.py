@@ -6,19 +6,18 @@ channel through the store (questions to each rank's answering thread, telemetry)
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
+import sys
 import threading
 import warnings
 from datetime import timedelta
 
+from ..core import signing
 from ..core.errors import DistUsageError
 from ..core.plan import LOOPBACK, SessionPlan, is_loopback
 from ..engine import rank_services
 from ..engine.stdin_relay import prompt_key
-
-log = logging.getLogger("infini_notebook")
 
 
 class Rendezvous:
@@ -27,6 +26,9 @@ class Rendezvous:
         # Every key of the session lives under an unguessable root, and each attempt's
         # process groups under a fresh nonce: nobody can prepare keys for a restart.
         self.token = secrets.token_hex(16)
+        # Signs what travels through the store (core/signing.py); never written into it.
+        self.mac_key = signing.new_key()
+        self._forgeries: set[str] = set()  # kinds of forged messages reported already
         self.attempt = 0
         self._nonce = secrets.token_hex(8)
         self._server = None  # the TCPStore server: it closes with its last reference
@@ -74,6 +76,9 @@ class Rendezvous:
             )
             sock.detach()  # the store owns the descriptor now and closes it
             self._keys = dist.PrefixStore(rank_services.session_root(self.token), self._server)
+            # what a remote rank's store watcher checks: a store on this port that is ours
+            alive = rank_services.ALIVE_KEY
+            self._keys.set(alive, signing.sign(self.mac_key, alive, "alive"))
         except Exception as e:  # port taken, address not ours
             raise DistUsageError(
                 f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -99,6 +104,7 @@ class Rendezvous:
             "attempt": self.attempt,
             "token": self.token,
             "attempt_key": self._nonce,
+            "mac_key": self.mac_key,
         }
 
     def close(self) -> None:
@@ -128,7 +134,8 @@ class Rendezvous:
             for r in ranks:
                 n = store.add(rank_services.stack_key(r, "count"), 1)
                 asked = question[r] if isinstance(question, dict) else question
-                store.set(rank_services.stack_key(r, "ask", n), asked)
+                key = rank_services.stack_key(r, "ask", n)
+                store.set(key, signing.sign(self.mac_key, key, asked))
                 answers[r] = rank_services.stack_key(r, "answer", n)
             try:
                 store.wait(list(answers.values()), timedelta(seconds=wait))
@@ -137,11 +144,22 @@ class Rendezvous:
             out: dict[int, str] = {}
             for r, key in answers.items():
                 if store.check([key]):
-                    out[r] = store.get(key).decode(errors="replace")
+                    body = signing.verify(self.mac_key, key, store.get(key))
                     store.delete_key(key)
+                    if body is None:
+                        self._forged(f"an unsigned answer from rank {r}'s answering thread")
+                    else:
+                        out[r] = body.decode(errors="replace")
                 else:
                     self._late.append(key)
         return out
+
+    def _forged(self, what: str) -> None:
+        """A message in the store that our key did not sign: ignored, said once per kind."""
+        if what not in self._forgeries:
+            self._forgeries.add(what)
+            print(f"infini_notebook: {what} was ignored (not signed by this session)",
+                  file=sys.stderr)  # fmt: skip
 
     def prompts(self) -> list[tuple[str, dict]]:
         """The ranks' questions for stdin (engine/stdin_relay.py) not read yet, in the order
@@ -155,17 +173,23 @@ class Rendezvous:
         lines, self._prompted = written[self._prompted : end], max(self._prompted, end)
         out = []
         for line in lines.splitlines():
+            body = signing.verify(self.mac_key, key, line)
             try:
-                question = json.loads(line)
+                question = json.loads(body)
                 out.append((str(question["id"]), question))
             except (ValueError, KeyError, TypeError):  # not a question our ranks wrote
-                log.warning("ignored a malformed stdin question in the store")
+                self._forged("an unsigned question for stdin")
         return out
 
-    def answer_prompt(self, n: str, reply: dict) -> None:
-        if self._keys is not None:
-            self._keys.set(prompt_key("answer", n), json.dumps(reply))
-            self._answered.append(n)
+    def answer_prompt(self, n: str, reply: dict, secret: bool = False) -> None:
+        """Answer question ``n``; a ``secret`` value (getpass) travels sealed."""
+        if self._keys is None:
+            return
+        key = prompt_key("answer", n)
+        if secret and "value" in reply:
+            reply = {"sealed": signing.seal(self.mac_key, key, reply["value"])}
+        self._keys.set(key, signing.sign(self.mac_key, key, json.dumps(reply)))
+        self._answered.append(n)
 
     def drop_unread_answers(self) -> None:
         """Once a cell ended: delete the answers no rank read (it died or was stopped at its
@@ -187,7 +211,11 @@ class Rendezvous:
             for r in ranks:
                 key = rank_services.telemetry_key(r)
                 if store.check([key]):  # get would wait for a rank that has not reported yet
-                    out[r] = rank_services.parse_telemetry(store.get(key))
+                    body = signing.verify(self.mac_key, key, store.get(key))
+                    if body is None:
+                        self._forged(f"an unsigned telemetry snapshot of rank {r}")
+                        continue
+                    out[r] = rank_services.parse_telemetry(body)
         except Exception:  # the store is closing with the session: show what we have
             pass
         return out
