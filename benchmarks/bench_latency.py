@@ -28,9 +28,10 @@ def timed(fn, out: list[float]) -> None:
 def one_size(shell, n: int, cells: int) -> dict[str, float]:
     import infini_notebook
 
-    stock = ipp.Cluster(n=n, log_level=40)
+    # 64 engines on a loaded 2-core machine take longer than ipyparallel's 60 s default
+    stock = ipp.Cluster(n=n, log_level=40, engine_timeout=600)
     stock_client = stock.start_and_connect_sync()
-    stock_client.wait_for_engines(n, interactive=False)
+    stock_client.wait_for_engines(n, interactive=False, timeout=600)
     session = infini_notebook.start(nprocs=n)
     try:
         ours_view = session.engines.client.view(slice(None))
