@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import time
 
 import pytest
@@ -191,17 +192,29 @@ def test_dist_diff_compares_device_checksums_across_ranks_sharing_a_gpu(four):
 
 
 def test_profile_of_ranks_sharing_a_gpu_records_nccl_kernels(four, tmp_path):
+    """Issue 39: on NCCL the communication is the GPU's NCCL kernels; a run before the fix
+    showed 0.0 ms of communication on every rank. ``INFINI_GPU_RECORD``: a folder to keep
+    the traces in (the device run's $OUT), as the record of a real NCCL trace."""
+    profiled = (
+        "x = torch.randn(1024, 1024, device=device)\n"
+        "for _ in range(20):\n    dist.all_reduce(x)\n"
+        "if device.type == 'cuda':\n    torch.cuda.synchronize()\n"
+    )
     code = (
-        "_p = dist_session.profile('x = torch.randn(256, 256, device=device)\\n"
-        "for _ in range(5):\\n    dist.all_reduce(x)\\n"
-        'torch.cuda.synchronize() if device.type == "cuda" else None\', '
-        f"out={str(tmp_path)!r}, echo=False)\nprint(_p.ranks.to_string())"
+        f"_p = dist_session.profile({profiled!r}, out={str(tmp_path)!r}, echo=False)\n"
+        "print(_p.ranks.to_string())\n"
+        "print('COMM', [round(v, 3) for v in _p.ranks['communication_ms']])"
     )
     out = text_of(four.run(code, timeout=240))
     print(out)
+    keep = os.environ.get("INFINI_GPU_RECORD")
+    if keep:
+        shutil.copytree(tmp_path, os.path.join(keep, "profile_nccl"), dirs_exist_ok=True)
     merged = (tmp_path / "merged.json").read_text()
     if ON_GPU:
         assert "ncclDevKernel" in merged or "ncclKernel" in merged, "no NCCL kernel events"
+        comm = ast.literal_eval(out.split("COMM ", 1)[1].splitlines()[0])
+        assert len(comm) == 4 and min(comm) > 0, comm
 
 
 def test_input_on_a_gpu_rank_is_answered_from_the_notebook(four):
