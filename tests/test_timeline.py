@@ -235,7 +235,7 @@ def test_nccl_wait_and_communication_come_from_the_gpu_kernels():
     coll = tl.collective_rows(out)
     assert [c["last_rank"] for c in coll] == [2, 2, 2]
     assert all(c["arrival_spread_ms"] == pytest.approx(300, abs=0.01) for c in coll)
-    assert all(c["collective"] == "nccl:all_reduce" and c["group"] == "default_pg" for c in coll)
+    assert all(c["collective"] == "nccl:all_reduce" and c["group"] == "world" for c in coll)
 
 
 def test_nccl_without_seq_uses_the_flight_recorder_entry_inside_the_record_function():
@@ -308,14 +308,15 @@ def test_gloo_messages_pair_by_group_peer_and_order_and_subgroups_stay_apart():
         b.gloo_p2p(op, group, peer, post, 310_000 if group == "6" else 160_000, desc=f"g{group}")
         late = 200_000 if r == 3 else 0
         b.gloo_collective("gloo:all_reduce", group, 1, 500_000 + late, 500_000 + late, 720_000,
-                          worker=8, desc=f"g{group}")  # fmt: skip
+                          worker=8, desc="inb_pp")  # fmt: skip
         out.append(b.trace())
+        out[-1].group_ranks = {"0": [0, 1, 2, 3], "5": [0, 2], "6": [1, 3]}
     tl.align(out)
     rows = tl.collective_rows(out)
     got = sorted((r["collective"], r["group"], r["last_rank"]) for r in rows)
     assert got == [
-        ("gloo:all_reduce", "g5", 0), ("gloo:all_reduce", "g6", 3),
-        ("gloo:send/recv 0->2", "g5", 2), ("gloo:send/recv 1->3", "g6", 1),
+        ("gloo:all_reduce", "pp [ranks 0,2]", 0), ("gloo:all_reduce", "pp [ranks 1,3]", 3),
+        ("gloo:send/recv 0->2", "g5 [ranks 0,2]", 2), ("gloo:send/recv 1->3", "g6 [ranks 1,3]", 1),
     ], rows  # fmt: skip
     waits = rows_by_rank(out)
     assert waits[0]["wait_ms"] == pytest.approx(50, abs=0.1)  # for rank 2's recv

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from . import clockfit, gloo_ops, intervals, nccl_ops
 from . import kineto as k
 from .comm_ops import CommOp
+from .ranks import rank_label
 from .kineto import CELL_END, CELL_START, START_MARK, STOP_MARK  # noqa: F401 (re-exported)
 
 
@@ -170,11 +171,23 @@ def _members(placed: dict[int, list[_Placed]]) -> dict[tuple, list[_Placed]]:
     return found
 
 
-def _sizes(traces: list[RankTrace]) -> dict[str, int]:
-    sizes = {}
+def _group_ranks(traces: list[RankTrace]) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
     for t in traces:
-        sizes.update({g: len(r) for g, r in t.group_ranks.items() if r})
-    return sizes
+        found.update({g: r for g, r in t.group_ranks.items() if r})
+    return found
+
+
+def _sizes(traces: list[RankTrace]) -> dict[str, int]:
+    return {g: len(r) for g, r in _group_ranks(traces).items()}
+
+
+def _group_label(name: str, desc: str, ranks: list[int] | None) -> str:
+    """A group as the rows show it: its description (``world`` for the default group, the
+    session's ``inb_tp`` as ``tp``) and, for a subgroup, its ranks ("tp [ranks 2-3]"):
+    every tp group shares the description."""
+    label = "world" if desc == "default_pg" else (desc.removeprefix("inb_") or name)
+    return f"{label} {rank_label(ranks)}" if ranks and label != "world" else label
 
 
 def _complete(key: tuple, members: list[_Placed], sizes: dict[str, int]) -> bool:
@@ -275,6 +288,7 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
     placed = _placed(traces)
     members = _members(placed)
     sizes = _sizes(traces)
+    group_ranks = _group_ranks(traces)
     zero = min((window(t)[0] + t.shift_us for t in traces), default=0.0)
     rows = []
     for key, ms in members.items():
@@ -286,7 +300,11 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
         rows.append(
             {
                 "collective": _label(key, ms),
-                "group": next((m.op.group for m in ms if m.op.group), key[1]),
+                "group": _group_label(
+                    key[1],
+                    next((m.op.group for m in ms if m.op.group), ""),
+                    group_ranks.get(key[1]),
+                ),
                 "seq": key[2] if key[0] == "c" else key[4],
                 "ranks": len(ms),
                 "last_rank": last.rank,
