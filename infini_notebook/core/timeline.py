@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from . import clockfit, gloo_ops, intervals, nccl_ops
 from . import kineto as k
 from .comm_ops import CommOp
-from .ranks import rank_label
 from .kineto import CELL_END, CELL_START, START_MARK, STOP_MARK  # noqa: F401 (re-exported)
+from .ranks import rank_label
 
 
 @dataclass
