@@ -146,6 +146,24 @@ def test_past_the_recorders_ring_every_collective_still_counts():
     assert all(c["last_rank"] == 2 for c in tl.collective_rows(out))
 
 
+def test_past_the_ring_fast_collectives_are_not_shifted_onto_the_kept_entries():
+    """Collectives 30 µs apart (one rank's gloo, seen in a real trace): an event of the
+    dropped part starts well within a millisecond of the first kept entry's creation, yet
+    each keeps its own number (seen: 11 left over and the rest shifted by one)."""
+    b = RankBuilder(0, 5e6, 0.0)
+    b.cell(0.0, 250 * 30 + 100)
+    for i in range(250):
+        t0 = i * 30
+        b.gloo_collective("gloo:all_reduce", "0", i + 1, t0, t0 + 8, t0 + 22, worker=7 + i % 2)
+    b.entries, b.lost = b.entries[-200:], 50
+    t = b.trace()
+    tl.align([t])
+    found, _ = tl.ops(t)
+    assert sorted(op.keys[0][2] for op in found) == list(range(1, 251))
+    by_start = sorted(found, key=lambda op: op.start)
+    assert [op.keys[0][2] for op in by_start] == list(range(1, 251))
+
+
 def test_past_the_ring_an_unknown_thread_leaves_the_figures_partial_and_says_so():
     """The dropped entries' events ran on a thread no kept entry names: they are left
     unmatched, the wait covers the kept ones only, and the coverage says so."""

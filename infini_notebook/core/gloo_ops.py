@@ -3,16 +3,20 @@
 Collectives. Each ``gloo:*`` record function on a worker thread is one collective, from
 when a worker took it (the rank's arrival) to its end. The trace does not say which group
 it belongs to; the Flight Recorder does, with an entry per collective created as the work
-was queued (ProcessGroupGloo::enqueue), in the group's order. A group's work runs in that
-order on its own worker threads (its FIFO queue), so the entries are matched to the events
-in time: an event is its group's next entry of the same name created before it started,
-and the thread it ran on belongs to that group from then on.
+was queued (ProcessGroupGloo::enqueue), numbered in its group. A group's work runs in that
+order (its FIFO queue) on the group's own worker threads. So, first, which thread is whose:
+each entry, in the order they were created, takes the first unused event of its name that
+started after it, and each thread goes to the group most of its events went to. Then each
+group's events (on its threads, in the order they started) are matched to its entries in
+order: the n-th event runs the n-th entry, the first event of each entry's name that
+started after it was created.
 
 The recorder is a ring (TORCH_FR_BUFFER_SIZE entries): a cell with more collectives than
-that keeps entries for the last ones only. The earlier events of a group, on threads known
-to be its own, are then numbered back from its first kept entry; only where every such
-event is on a thread whose group is known, else they stay unnamed (counted as
-communication, not matched).
+that keeps entries for the last ones only, and says how many it dropped. A group's events
+are then matched from the last one back (the ring drops the oldest), and the earlier ones
+numbered back from its first kept entry; only where every event ran on a thread of a known
+group (a thread no kept entry names could hold any group's earlier work), else the earlier
+ones stay unnamed: counted as communication, not matched, and the rows say so.
 
 Point-to-point. gloo records no send/recv in the Flight Recorder; ``gloo:send`` and
 ``gloo:recv`` run on the calling thread until the work's ``wait()``. The group and peer
@@ -21,13 +25,19 @@ called: the n-th call of a thread is its n-th send or recv event."""
 
 from __future__ import annotations
 
+import bisect
+from collections import Counter
+
 from . import kineto as k
 from .comm_ops import CommOp, P2PCounter, collective_key
 
 PREFIX = "gloo:"
 P2P = ("gloo:send", "gloo:recv")
-LOOKAHEAD = 8  # entries of a group an event may skip (work queued and never run)
-SLACK_US = 1000.0  # an entry is created before its work starts; the clocks agree to µs
+# An entry is created before a worker takes its work (a thread wakes in µs); the trace's
+# clock and the recorder's agree to a few µs through the marks. Less than the shortest gap
+# between one collective's start and the next one's creation (its own run, at least).
+SLACK_US = 25.0
+POST_SLACK_US = 1000.0  # a p2p note is matched by thread and order; time only bounds it
 
 
 def ops(
@@ -51,22 +61,28 @@ def ops(
 
 
 def _collectives(worker, entries, lost, wall_to_trace) -> list[CommOp]:
-    queues: dict[str, list[dict]] = {}
+    worker.sort(key=lambda e: e["ts"])
+    queues: dict[str, list[tuple[float, dict]]] = {}
     for entry in sorted(entries, key=lambda e: e.get("collective_seq_id", 0)):
         if not entry.get("is_p2p") and str(entry.get("profiling_name", "")).startswith(PREFIX):
-            queues.setdefault(entry["process_group"][0], []).append(entry)
-    owner: dict = {}  # worker thread -> its group
-    named: dict[int, tuple[str, dict]] = {}  # id(event) -> (group, entry)
-    for ev in sorted(worker, key=lambda e: e["ts"]):
-        choice = _next_entry(ev, queues, owner, wall_to_trace)
-        if choice is not None:
-            group, i = choice
-            named[id(ev)] = (group, queues[group].pop(i))
-            owner[ev.get("tid")] = group
-    keys = {i: collective_key(g, e["collective_seq_id"]) for i, (g, e) in named.items()}
-    descs = {i: str((e.get("process_group") or ["", ""])[-1]) for i, (_, e) in named.items()}
-    if lost:
-        keys.update(_numbered_back(worker, named, owner))
+            created = wall_to_trace(entry["time_created_ns"])
+            queues.setdefault(entry["process_group"][0], []).append((created, entry))
+    owner = _owners(worker, queues)
+    unowned = any(ev.get("tid") not in owner for ev in worker)
+    keys: dict[int, tuple] = {}
+    descs: dict[int, str] = {}
+    for group, queue in queues.items():
+        mine = [ev for ev in worker if owner.get(ev.get("tid")) == group]
+        pairs = _from_the_end(mine, queue) if lost else _in_time(mine, queue)
+        for ev, entry in pairs:
+            keys[id(ev)] = collective_key(group, entry["collective_seq_id"])
+            descs[id(ev)] = str((entry.get("process_group") or ["", ""])[-1])
+        if pairs and lost and not unowned:  # the ring dropped entries: number the rest back
+            first = min(pairs, key=lambda p: p[0]["ts"])
+            before = [ev for ev in mine if ev["ts"] < first[0]["ts"] and id(ev) not in keys]
+            for back, ev in enumerate(reversed(before), start=1):
+                keys[id(ev)] = collective_key(group, first[1]["collective_seq_id"] - back)
+                descs[id(ev)] = descs[id(first[0])]
     return [
         CommOp(
             name=ev["name"],
@@ -79,43 +95,52 @@ def _collectives(worker, entries, lost, wall_to_trace) -> list[CommOp]:
     ]
 
 
-def _next_entry(ev, queues, owner, wall_to_trace) -> tuple[str, int] | None:
-    """The group and index of the entry ``ev`` runs: among the groups that may own its
-    thread (its own group, once known), the next entry of its name, created before it
-    started; of several groups, the one whose entry is oldest."""
-    best = None
-    for group, queue in queues.items():
-        if owner.get(ev.get("tid"), group) != group:
-            continue
-        for i, entry in enumerate(queue[:LOOKAHEAD]):
-            if entry.get("profiling_name") != ev["name"]:
-                continue
-            created = wall_to_trace(entry["time_created_ns"])
-            if created <= ev["ts"] + SLACK_US and (best is None or created < best[0]):
-                best = (created, group, i)
-            break
-    return None if best is None else (best[1], best[2])
-
-
-def _numbered_back(worker, named, owner) -> dict[int, tuple]:
-    """Keys for the events the ring lost the entries of, counted back from each group's
-    first kept entry: only where every unnamed event ran on a thread of a known group."""
-    unnamed = [ev for ev in worker if id(ev) not in named]
-    if any(ev.get("tid") not in owner for ev in unnamed):
-        return {}
-    first: dict[str, tuple[float, int]] = {}
+def _owners(worker, queues) -> dict:
+    """Worker thread -> the group whose entries most of its events went with, each entry
+    (in the order created) taking the first unused event of its name started after it."""
+    starts: dict[str, list[float]] = {}
+    events: dict[str, list[dict]] = {}
     for ev in worker:
-        if id(ev) in named:
-            group, entry = named[id(ev)]
-            seq = entry["collective_seq_id"]
-            if group not in first or ev["ts"] < first[group][0]:
-                first[group] = (ev["ts"], seq)
-    keys = {}
-    for group, (ts, seq) in first.items():
-        earlier = [ev for ev in unnamed if owner[ev.get("tid")] == group and ev["ts"] < ts]
-        for back, ev in enumerate(sorted(earlier, key=lambda e: -e["ts"]), start=1):
-            keys[id(ev)] = collective_key(group, seq - back)
-    return keys
+        starts.setdefault(ev["name"], []).append(ev["ts"])
+        events.setdefault(ev["name"], []).append(ev)
+    used: set[int] = set()
+    votes: dict = {}
+    flat = [(created, group, entry) for group, q in queues.items() for created, entry in q]
+    for created, group, entry in sorted(flat, key=lambda x: (x[0], x[1])):
+        name = entry.get("profiling_name")
+        i = bisect.bisect_left(starts.get(name, []), created - SLACK_US)
+        candidates = events.get(name, [])
+        while i < len(candidates) and id(candidates[i]) in used:
+            i += 1
+        if i < len(candidates):
+            used.add(id(candidates[i]))
+            votes.setdefault(candidates[i].get("tid"), Counter())[group] += 1
+    return {tid: count.most_common(1)[0][0] for tid, count in votes.items()}
+
+
+def _in_time(mine, queue) -> list[tuple[dict, dict]]:
+    """The group's entries in order, each with the first later event of its name."""
+    pairs, j = [], 0
+    for created, entry in queue:
+        i = j
+        while i < len(mine) and not (
+            mine[i]["name"] == entry.get("profiling_name") and mine[i]["ts"] >= created - SLACK_US
+        ):
+            i += 1
+        if i < len(mine):
+            pairs.append((mine[i], entry))
+            j = i + 1
+    return pairs
+
+
+def _from_the_end(mine, queue) -> list[tuple[dict, dict]]:
+    """The group's last events with its kept entries, last with last, while names agree."""
+    pairs = []
+    for ev, (_, entry) in zip(reversed(mine), reversed(queue)):
+        if ev["name"] != entry.get("profiling_name"):
+            break
+        pairs.append((ev, entry))
+    return pairs
 
 
 def _messages(p2p, calls, rank, wall_to_trace) -> list[CommOp]:
@@ -137,7 +162,7 @@ def _messages(p2p, calls, rank, wall_to_trace) -> list[CommOp]:
                 id(ev) not in used
                 and ev["name"] == f"gloo:{call['op']}"
                 and ev.get("tid") == call.get("tid", ev.get("tid"))
-                and ev["ts"] >= posted - SLACK_US
+                and ev["ts"] >= posted - POST_SLACK_US
             ):
                 used.add(id(ev))
                 keys[id(ev)] = key
