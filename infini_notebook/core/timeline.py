@@ -334,7 +334,11 @@ def coverage(traces: list[RankTrace], rows: list[dict]) -> str:
             f"wait is measured for the ops matched on every member ({shown}"
             f"{', ...' if len(partial) > 4 else ''}); the others count as communication"
         )
-    lost = {t.rank: t.fr_lost for t in traces if t.fr_lost}
+    lost = {  # NCCL's ops are named by the trace itself; gloo's need the recorder
+        t.rank: t.fr_lost
+        for t in traces
+        if t.fr_lost and any(op.name.startswith(gloo_ops.PREFIX) for op in ops(t)[0])
+    }
     if lost:
         notes.append(
             f"the Flight Recorder's ring (TORCH_FR_BUFFER_SIZE) dropped {max(lost.values())} "
