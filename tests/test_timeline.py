@@ -183,6 +183,37 @@ def test_past_the_ring_an_unknown_thread_leaves_the_figures_partial_and_says_so(
     assert "200 of 250" in words and "TORCH_FR_BUFFER_SIZE" in words
 
 
+@given(
+    lateness=st.lists(
+        st.lists(st.integers(0, 50_000), min_size=3, max_size=3), min_size=2, max_size=5
+    ),
+    errors=st.lists(st.floats(-150, 150), min_size=5, max_size=5),
+)
+def test_each_ranks_wait_is_the_lateness_of_its_last_peer(lateness, errors):
+    """Ranks arrive at each of 3 all_reduces late by known amounts, their store samples
+    off by up to ±150 µs: each rank's wait is, step by step, the last arrival's lateness
+    less its own (the collective ends once all are in), and the parts add up."""
+    world = len(lateness)
+    out = []
+    for r in range(world):
+        b = RankBuilder(r, 1e9 * r, 0.0, clock_err_us=errors[r])
+        b.cell(0.0, 3 * 200_000)
+        for step in range(3):
+            t0 = step * 200_000
+            arrive = t0 + 1_000 + lateness[r][step]
+            last = t0 + 1_000 + max(lateness[s][step] for s in range(world))
+            b.gloo_collective("gloo:all_reduce", "0", step + 1, arrive - 20, arrive, last + 500,
+                              worker=7)  # fmt: skip
+        out.append(b.trace())
+    tl.align(out)
+    rows = rows_by_rank(out)
+    for r in range(world):
+        truth = sum(max(lateness[s][i] for s in range(world)) - lateness[r][i] for i in range(3))
+        assert rows[r]["wait_ms"] == pytest.approx(truth / 1000, abs=0.01), (r, rows[r])
+        assert rows[r]["communication_ms"] == pytest.approx(1.5, abs=0.01)
+        assert_adds_up(rows[r])
+
+
 # ------------------------------------------------------------- overlapping collectives
 
 
