@@ -12,11 +12,12 @@ steps. Timed from the notebook's side, best of ``--repeats`` (interleaved):
             Recorder read, the traces sent to the kernel, aligned, merged and written (its
             figure is drawn when shown: 0.3-0.5 s more in a notebook)
 Target (issue 31): ours at most 2x torch's time (both pay the profiler; ours adds the
-traces' trip to the kernel, the alignment, one merged file and the tables, all in the
-kernel: about 5 µs per trace event). Measured 2026-11-26 on this 2-core VM, 4 ranks:
-20 steps (3.5 MB of traces) plain 0.33 s, torch alone 0.38 s, ours 0.62 s (1.6x);
-100 steps (17 MB) 1.32 / 1.52 / 2.88 s (1.9x). Next step if it matters: let each rank
-shift and write its own events in parallel once the kernel has the clock offsets.
+traces' trip to the kernel, the matching of collectives across ranks, the clock fit, one
+merged file and the tables, all in the kernel: about 5 µs per trace event). Measured
+2026-11-26 on this 2-core VM, 4 ranks, after issue 39's accounting (unions of intervals,
+NCCL/gloo matching, least-squares clocks): 20 steps plain 0.18 s, torch alone 0.22 s, ours
+0.39 s (1.76x); 100 steps 0.79 / 0.96 / 1.76 s (1.82x). Next step if it matters: let each
+rank shift and write its own events in parallel once the kernel has the clock offsets.
 """
 
 from __future__ import annotations

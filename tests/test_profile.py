@@ -1,6 +1,9 @@
-"""%%dist_profile (issue 31): one timeline for all ranks. In a real kernel on 4 CPU ranks
-(gloo): rank 2 sleeps 0.3 s before each all_reduce, so it arrives last every time and the
-others wait for it; the merged trace has a track per rank on one clock."""
+"""%%dist_profile (issues 31 and 39): one timeline for all ranks, its figures checked
+against what the ranks were made to do. In a real kernel on 4 CPU ranks (gloo, tp 2 x dp 2,
+one session for the module): a rank that sleeps before each collective arrives last and
+the others wait for it; more collectives than the Flight Recorder keeps; collectives that
+overlap; messages and subgroups; a rank whose profiler starts long before its cell; a
+start that fails on one rank, and a torch.profiler of the user's already running."""
 
 from __future__ import annotations
 
@@ -23,30 +26,59 @@ for step in range({STEPS}):
 print('done', rank)"""
 
 
+def profile_tables(kernel, code: str, out) -> dict:
+    """``code`` profiled through the API: its tables as records, its files and coverage."""
+    run = (
+        f"import json\n_p = dist_session.profile({code!r}, out={str(out)!r}, echo=False)\n"
+        "print(json.dumps({'ranks': _p.ranks.to_dict('records'),"
+        " 'collectives': _p.collectives.to_dict('records'), 'files': _p.files,"
+        " 'coverage': _p.coverage}, default=str))"
+    )
+    text = text_of(kernel.run(run, timeout=240))
+    return json.loads(text.replace("NaN", "null"))
+
+
+def by_rank(tables) -> dict[int, dict]:
+    return {r["rank"]: r for r in tables["ranks"]}
+
+
+def assert_adds_up(row):
+    parts = [row["compute_ms"], row["communication_ms"], row["wait_ms"] or 0, row["idle_ms"]]
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(row["wall_ms"], abs=0.01), row
+
+
+def profiling_now(kernel) -> str:
+    """Which ranks have a torch.profiler on, as the cell thread sees it."""
+    return text_of(
+        kernel.run(
+            "%%dist\nprint('profiling', bool(torch.autograd.profiler._is_profiler_enabled"
+            " or torch._C._autograd._profiler_enabled()))"
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def profiled(kernel, tmp_path_factory):
     """The straggler loop profiled through the API: its tables as records, its folder."""
     use_session(kernel, "--nprocs 4 --tp 2")
     out = tmp_path_factory.mktemp("profile")
-    code = (
-        f"import json\n_p = dist_session.profile({LOOP!r}, out={str(out)!r}, echo=False)\n"
-        "print(json.dumps({'ranks': _p.ranks.to_dict('records'),"
-        " 'collectives': _p.collectives.to_dict('records'), 'files': _p.files}))"
-    )
-    return json.loads(text_of(kernel.run(code, timeout=180))), out
+    return profile_tables(kernel, LOOP, out), out
 
 
 def test_the_straggler_arrives_last_at_every_step_and_the_others_wait(profiled):
     tables, _ = profiled
-    steps = [c for c in tables["collectives"] if c["group"] == "default_pg"]
+    steps = [c for c in tables["collectives"] if c["group"] == "world"]
     assert len(steps) == STEPS and all(c["last_rank"] == 2 for c in steps), steps
     for c in steps:
         assert 240 <= c["arrival_spread_ms"] <= 360, c  # 0.3 s +- 20 %
         assert 3 * 240 <= c["wait_caused_ms"] <= 3 * 360, c  # three ranks waited
-    ranks = {r["rank"]: r for r in tables["ranks"]}
+    ranks = by_rank(tables)
     for r in (0, 1, 3):
         assert STEPS * 240 <= ranks[r]["wait_ms"] <= STEPS * 360, ranks[r]
     assert ranks[2]["wait_ms"] < 50 and ranks[2]["idle_ms"] > STEPS * 280, ranks[2]
+    for row in ranks.values():  # the cell's collectives only, each matched on every member
+        assert row["ops"] == row["matched"] == STEPS, row
+        assert_adds_up(row)
 
 
 def test_the_merged_trace_has_a_track_per_rank_on_one_clock(profiled):
@@ -70,6 +102,131 @@ def test_the_merged_trace_has_a_track_per_rank_on_one_clock(profiled):
     for r in range(4):  # each rank's own trace, with what HTA reads
         own = json.load(open(tables["files"][str(r)]))
         assert own["distributedInfo"]["rank"] == r
+    threads = {(e["pid"], e["args"]["name"].split(" (")[-1]) for e in merged["traceEvents"]
+               if e.get("name") == "thread_name"}  # fmt: skip
+    assert {(r, "ipengine)") for r in range(4)} <= threads, threads  # each rank's threads
+
+
+def test_past_the_flight_recorders_ring_every_collective_is_still_measured(kernel, profiled):
+    """250 all_reduces, rank 2 2 ms late at each, a ring of 200 entries: every one is
+    matched, and the others' wait is the 250 x 2 ms they spent (was 0 on every rank)."""
+    _, out = profiled
+    code = (
+        "import time\nx = torch.ones(10)\nfor _ in range(250):\n    if rank == 2:\n"
+        "        time.sleep(0.002)\n    dist.all_reduce(x)"
+    )
+    tables = profile_tables(kernel, code, out / "ring")
+    ranks = by_rank(tables)
+    for r in (0, 1, 3):
+        assert ranks[r]["ops"] == ranks[r]["matched"] == 250, ranks[r]
+        assert 250 * 1.6 <= ranks[r]["wait_ms"] <= ranks[r]["wall_ms"], ranks[r]
+        assert_adds_up(ranks[r])
+    assert ranks[2]["wait_ms"] < 0.3 * min(ranks[r]["wait_ms"] for r in (0, 1, 3)), ranks[2]
+    assert len(tables["collectives"]) == 250
+    assert "TORCH_FR_BUFFER_SIZE" in tables["coverage"], tables["coverage"]
+
+
+def test_overlapping_collectives_wait_is_time_not_a_sum(kernel, profiled):
+    """4 async all_reduces at once (DDP's buckets), rank 2 0.3 s late: the others wait
+    0.3 s once (it was summed per collective: 620 ms of wait in a 391 ms cell)."""
+    _, out = profiled
+    code = (
+        "import time\nif rank == 2:\n    time.sleep(0.3)\n"
+        "works = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]\n"
+        "for w in works:\n    w.wait()"
+    )
+    ranks = by_rank(profile_tables(kernel, code, out / "async"))
+    for r in (0, 1, 3):
+        assert 240 <= ranks[r]["wait_ms"] <= 420, ranks[r]
+        assert ranks[r]["wait_ms"] <= ranks[r]["wall_ms"] and ranks[r]["matched"] == 4
+        assert_adds_up(ranks[r])
+    assert ranks[2]["wait_ms"] < 50, ranks[2]
+
+
+def test_messages_pair_by_group_peer_and_order_and_only_the_cells_show(kernel, profiled):
+    """A p2p-only cell: 0 -> 1 (rank 1 posts its receive 0.2 s late) and 2 -> 3 (rank 2
+    sends 0.1 s late). Rank 0's send never pairs with rank 2's, and the session's start-up
+    all_reduces are not reported as the cell's."""
+    _, out = profiled
+    code = (
+        "import time\nt = torch.ones(10)\nif rank == 0:\n    dist.send(t, 1)\n"
+        "elif rank == 1:\n    time.sleep(0.2)\n    dist.recv(t, 0)\n"
+        "elif rank == 2:\n    time.sleep(0.1)\n    dist.send(t, 3)\nelse:\n    dist.recv(t, 2)"
+    )
+    tables = profile_tables(kernel, code, out / "p2p")
+    got = sorted((c["collective"], c["last_rank"]) for c in tables["collectives"])
+    assert got == [("gloo:send/recv 0->1", 1), ("gloo:send/recv 2->3", 2)], tables
+    ranks = by_rank(tables)
+    assert 70 <= ranks[3]["wait_ms"] <= 160, ranks[3]  # rank 3 waited for rank 2's send
+    assert ranks[0]["wait_ms"] <= 260 and ranks[1]["wait_ms"] < 30, ranks
+    for row in ranks.values():
+        assert row["ops"] == row["matched"] == 1, row  # its message, seen on both ends
+        assert_adds_up(row)
+
+
+def test_subgroups_stay_apart(kernel, profiled):
+    """An all_reduce in each tp group ({0,1}, {2,3}; rank 3 0.2 s late), then one in each dp
+    group ({0,2}, {1,3}; rank 0 0.1 s late): four collectives, each with its own last."""
+    _, out = profiled
+    code = (
+        "import time\nif rank == 3:\n    time.sleep(0.2)\n"
+        "dist.all_reduce(torch.ones(4), group=groups.tp)\n"
+        "if rank == 0:\n    time.sleep(0.1)\ndist.all_reduce(torch.ones(4), group=groups.dp)"
+    )
+    tables = profile_tables(kernel, code, out / "groups")
+    rows = tables["collectives"]
+    assert len(rows) == 4 and all(c["ranks"] == 2 for c in rows), rows
+    assert len({c["group"] for c in rows}) == 4, rows  # four groups, none mixed
+    ranks = by_rank(tables)
+    assert 140 <= ranks[1]["wait_ms"] <= 280, ranks[1]  # dp {1,3}: for rank 3
+    assert 140 <= ranks[2]["wait_ms"] <= 280, ranks[2]  # tp {2,3}: for rank 3
+    assert 50 <= ranks[0]["wait_ms"] <= 180, ranks[0]  # dp {0,2}: for rank 2 (0.2 - 0.1)
+    assert ranks[3]["wait_ms"] < 40, ranks[3]
+
+
+def test_the_window_is_the_cell_not_the_profilers_start(kernel, profiled):
+    """Rank 1's profiler runs 1 s before its cell starts (as under load, when the ranks'
+    profilers started up to 2.2 s apart): every rank's wall is its 0.5 s cell alone."""
+    _, out = profiled
+    kernel.run(
+        "%%dist --ranks 1\nimport time as _t\nfrom infini_notebook.engine import profiling as _pm\n"
+        "_orig = _pm._distributed\ndef _late():\n    if 'prof' in _pm._state:\n"
+        "        _pm._distributed = _orig\n        _t.sleep(1.0)\n    return _orig()\n"
+        "_pm._distributed = _late"
+    )
+    ranks = by_rank(profile_tables(kernel, "import time\ntime.sleep(0.5)", out / "window"))
+    for row in ranks.values():
+        assert 450 <= row["wall_ms"] <= 800, row  # was 1.5 s on the ranks that waited
+        assert_adds_up(row)
+
+
+def test_a_failed_start_on_one_rank_stops_every_profiler(kernel, profiled):
+    _, out = profiled
+    kernel.run(
+        "%%dist --ranks 2\nfrom infini_notebook.engine import profiling as _pm\n"
+        "_orig = _pm._distributed\ndef _broken():\n    if 'prof' in _pm._state:\n"
+        "        _pm._distributed = _orig\n        raise OSError('injected')\n    return _orig()\n"
+        "_pm._distributed = _broken"
+    )
+    cell = kernel.run(f"%%dist_profile --out {out / 'failed-start'}\nx = 1", allow_error=True)
+    err = text_of(cell, "error")
+    assert "could not start the profiler on rank 2" in err and "injected" in err, err
+    assert profiling_now(kernel).count("profiling False") == 4
+    assert not os.path.exists(out / "failed-start")
+
+
+def test_a_running_torch_profiler_of_the_users_is_refused_and_left_running(kernel, profiled):
+    _, out = profiled
+    kernel.run("%%dist --ranks 1\n_mine = torch.profiler.profile()\n_mine.start()")
+    try:
+        cell = kernel.run(f"%%dist_profile --out {out / 'theirs'}\nx = 1", allow_error=True)
+        err = text_of(cell, "error")
+        assert "refused" in err and "rank 1" in err and "of your own" in err, err
+        assert len([line for line in err.splitlines() if "refused" in line]) == 1
+        states = profiling_now(kernel)
+        assert "[rank 1] profiling True" in states and states.count("profiling False") == 3
+    finally:
+        kernel.run("%%dist --ranks 1\n_mine.stop()")
 
 
 def test_the_magic_shows_the_cell_output_the_figure_and_where_the_files_are(kernel, profiled):

@@ -22,7 +22,8 @@
   failure says so.
 
 Both hang on IPython's ``run_cell_async``, which ipykernel's two paths (plain and async
-cells) both go through.
+cells) both go through; so do the watchers (``watch``) that want to know when a cell's code
+starts and when the cell has ended, its device work done (%%dist_profile's window).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 
 _lock = threading.Lock()
 _state: dict = {"in_cell": False, "why": None}  # why: the release of the running cell
+_watchers: list = []  # called with "start" as a cell's code starts, "end" once it ended
 
 
 class RankReleased(BaseException):
@@ -52,6 +54,7 @@ def install(shell) -> None:
     async def run_cell_async(*args, **kwargs):
         with _lock:
             _state.update(in_cell=True, why=None)
+        _tell("start")
         try:
             result = await original(*args, **kwargs)
         except RankReleased as e:  # fired while IPython was showing the cell's own error
@@ -60,6 +63,7 @@ def install(shell) -> None:
             result = ExecutionResult(None)
             result.error_in_exec = e
         error = finish(result.success)
+        _tell("end")
         if error is not None:
             if result.success:
                 shell.showtraceback((type(error), error, None), exception_only=True)
@@ -68,6 +72,26 @@ def install(shell) -> None:
 
     run_cell_async.infini_cell_end = True
     shell.run_cell_async = run_cell_async
+
+
+def watch(fn) -> None:
+    """Call ``fn("start")`` as each cell's code starts and ``fn("end")`` once the cell has
+    ended (after its device work), until ``unwatch(fn)``."""
+    if fn not in _watchers:
+        _watchers.append(fn)
+
+
+def unwatch(fn) -> None:
+    if fn in _watchers:
+        _watchers.remove(fn)
+
+
+def _tell(moment: str) -> None:
+    for fn in list(_watchers):
+        try:
+            fn(moment)
+        except Exception:  # a watcher never fails the cell
+            pass
 
 
 def finish(succeeded: bool) -> BaseException | None:

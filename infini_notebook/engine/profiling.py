@@ -1,8 +1,10 @@
 """``%%dist_profile`` on a rank: torch.profiler around the cell, started and stopped by two
 calls of the kernel's around the ordinary ``%%dist`` run (the same thread runs all three),
-and what the kernel needs to merge the ranks' traces (core/timeline.py): the trace, the
-rank's wall clock read inside two marker events, and the Flight Recorder's collectives of
-the window. Runs inside each engine."""
+and what the kernel needs to merge the ranks' traces (core/timeline.py): the trace; the
+rank's wall clock read inside mark events (the profiler's start and stop, and the cell's
+own start and end, which bound the figures); the Flight Recorder's entries of the cell and
+how many its ring dropped; the sends and receives the cell posted (p2p_log.py); each
+group's ranks. Runs inside each engine."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import os
 import tempfile
 import time
 
-from ..core.timeline import START_MARK, STOP_MARK
+from ..core.kineto import CELL_END, CELL_START, START_MARK, STOP_MARK
+from . import cell_end, p2p_log
 
 _state: dict = {}
 
@@ -22,12 +25,32 @@ def _mark(name: str) -> None:
         _state["marks"][name] = time.time_ns()
 
 
-def start(cuda: bool) -> None:
-    """Start profiling this rank (CPU ops, and CUDA where the rank has a GPU)."""
+def _cell(moment: str) -> None:
+    """The cell's marks (cell_end's watcher): its first start and its last end."""
+    name = CELL_START if moment == "start" else CELL_END
+    if "prof" in _state and (name == CELL_END or CELL_START not in _state["marks"]):
+        _mark(name)
+
+
+def running_elsewhere() -> bool:
+    """Whether a torch.profiler not ours is on: a second one would stop it."""
+    import torch
+
+    return bool(torch.autograd.profiler._is_profiler_enabled) or bool(
+        torch._C._autograd._profiler_enabled()
+    )
+
+
+def start(cuda: bool) -> dict:
+    """Start profiling this rank (CPU ops, and CUDA where the rank has a GPU). Never raises:
+    ``{"started": True}``, ``{"refused": why}`` (a profiler of the user's runs) or
+    ``{"error": what}``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     stop_quietly()
+    if running_elsewhere():
+        return {"refused": "a torch.profiler of your own is running"}
     # libkineto writes each start and stop to fd 2 (its STAGE and USDT levels, 3 and 5,
     # above ERROR's 4, so nothing but 6 quiets them), which the next cell would show as
     # late output. Read once, as the first profiler starts; a user's own setting stays.
@@ -35,20 +58,28 @@ def start(cuda: bool) -> None:
     activities = [ProfilerActivity.CPU]
     if cuda and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
-    prof.start()
-    _state.update(prof=prof, marks={}, since=time.time_ns())
-    _mark(START_MARK)
+    try:
+        first_id = _last_record_id()
+        prof = profile(activities=activities)
+        prof.start()
+        _state.update(prof=prof, marks={}, first_id=first_id)
+        _mark(START_MARK)
+        cell_end.watch(_cell)
+        if _distributed():
+            p2p_log.arm()
+    except Exception as e:
+        stop_quietly()
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"started": True}
 
 
 def stop(max_bytes: int) -> dict:
     """Stop and return the trace (JSON text), or only its size when over ``max_bytes``."""
-    from . import wait_probe
-
-    prof = _state.pop("prof", None)
-    if prof is None:
+    if "prof" not in _state:
         return {"error": "not profiling (its start failed or the engine restarted)"}
     _mark(STOP_MARK)
+    calls = _disarm()
+    prof = _state.pop("prof")
     prof.stop()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -61,17 +92,72 @@ def stop(max_bytes: int) -> dict:
             trace = f.read()
     finally:
         os.remove(path)
-    dump = wait_probe.flight_recorder_dump(entries=True, only_active=False) or {}
-    since = _state["since"]
-    entries = [e for e in dump.get("entries") or [] if e.get("time_created_ns", 0) >= since]
-    return {"trace": trace, "marks": _state["marks"], "collectives": entries, "size": size}
+    entries, lost = _recorded_since(_state["first_id"])
+    return {
+        "trace": trace,
+        "marks": _state["marks"],
+        "collectives": entries,
+        "fr_lost": lost,
+        "p2p": calls,
+        "group_ranks": _group_ranks(),
+        "size": size,
+    }
 
 
 def stop_quietly() -> None:
-    """A profiler left running (a stop that never came) ended, its trace dropped."""
+    """A profiler of ours left running (a stop that never came, a failed start on another
+    rank) ended, its trace dropped."""
+    _disarm()
     prof = _state.pop("prof", None)
     if prof is not None:
         try:
             prof.stop()
         except Exception:
             pass
+
+
+def _disarm() -> list[dict]:
+    cell_end.unwatch(_cell)
+    return p2p_log.take() if _distributed() else []
+
+
+def _distributed() -> bool:
+    import sys
+
+    return "torch.distributed" in sys.modules
+
+
+def _dump() -> dict:
+    from . import wait_probe
+
+    return wait_probe.flight_recorder_dump(entries=True, only_active=False) or {}
+
+
+def _last_record_id() -> int:
+    """The newest Flight Recorder entry's id (-1: none): the cell's are the later ones."""
+    return max((e.get("record_id", -1) for e in _dump().get("entries") or []), default=-1)
+
+
+def _recorded_since(first_id: int) -> tuple[list[dict], int]:
+    """The entries recorded after ``first_id``, and how many of those the ring dropped (ids
+    run on, one per entry; the ring keeps the newest)."""
+    entries = [e for e in _dump().get("entries") or [] if e.get("record_id", -1) > first_id]
+    lost = min((e["record_id"] for e in entries), default=first_id + 1) - first_id - 1
+    return entries, max(0, lost)
+
+
+def _group_ranks() -> dict[str, list[int]]:
+    """Each group's global ranks, by the group's name (as the trace and recorder name it)."""
+    if not _distributed():
+        return {}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    out = {}
+    for group, ranks in dist.distributed_c10d._world.pg_group_ranks.items():
+        try:
+            out[group.group_name] = sorted(ranks, key=ranks.get)
+        except Exception:
+            continue
+    return out

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import timeline
+from ..core import timeline, trace_merge
 from ..core.errors import DistCellError, DistUsageError
 from ..core.ranks import rank_label
 from ..engine import profiling
@@ -27,13 +27,14 @@ class ProfileResult:
     """What ``session.profile`` returns: per-rank and per-collective DataFrames, the
     figure, the files, and the ranks whose cell failed (their traces are partial)."""
 
-    ranks: Any  # DataFrame: wall, compute, communication, wait, idle (ms), top ops
+    ranks: Any  # DataFrame: wall, compute, wait, communication, idle (ms), ops, top ops
     collectives: Any  # DataFrame: per collective, who arrived last and the wait it caused
     folder: str
     merged: str
     files: dict[int, str] = field(default_factory=dict)
     partial: list[int] = field(default_factory=list)
     size_bytes: int = 0
+    coverage: str = ""  # what the wait figures do not cover, in words
 
     @functools.cached_property
     def figure(self):
@@ -50,10 +51,11 @@ class ProfileResult:
             if self.partial
             else ""
         )
+        covers = f"\nNote: {self.coverage}." if self.coverage else ""
         return (
             f"{len(self.files)} rank traces ({format_bytes(self.size_bytes)}) in {self.folder}/: "
             "merged.json opens "
-            f"in https://ui.perfetto.dev or chrome://tracing, one track per rank{part}"
+            f"in https://ui.perfetto.dev or chrome://tracing, one track per rank{part}{covers}"
         )
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
@@ -83,7 +85,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
     import pandas as pd
 
     s.require_whole()
-    s.apply(profiling.start, bool(s.plan.gpus), ranks=targets)
+    _start(s, targets)
     failure: DistCellError | None = None
     try:  # from here on the profilers run: the finally stops them, whatever happens
         clocks = {r: _clock(s, r) for r in targets}
@@ -111,6 +113,9 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
             g["marks"],
             g["collectives"],
             clocks[r],
+            p2p=g.get("p2p", []),
+            fr_lost=g.get("fr_lost", 0),
+            group_ranks=g.get("group_ranks", {}),
         )
         for r, g in sorted(got.items())
         if "trace" in g
@@ -126,12 +131,14 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
             files[r] = os.path.join(folder, f"rank{r}.json")
             with open(files[r], "w") as f:
                 f.write(g["trace"])
-    ranks = pd.DataFrame(timeline.rank_rows(traces))
+    rows = timeline.rank_rows(traces)
+    ranks = pd.DataFrame(rows)
     collectives = pd.DataFrame(timeline.collective_rows(traces))
+    coverage = timeline.coverage(traces, rows)
     hosts = {rs.rank: rs.host for rs in s.book.rows}
     merged = os.path.join(folder, "merged.json")
     with open(merged, "w") as f:  # dumps: C's encoder; dump streams through Python's (5x)
-        f.write(json.dumps(timeline.merged(traces, hosts)))
+        f.write(json.dumps(trace_merge.merged(traces, hosts)))
     result = ProfileResult(
         ranks=ranks,
         collectives=collectives,
@@ -140,12 +147,44 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         files=files,
         partial=sorted(failure.ranks) if failure else [],
         size_bytes=sum(g.get("size", 0) for g in got.values()),
+        coverage=coverage,
     )
     if failure is not None:
         printer.out(f"{result.summary()}\n")  # where the traces are, above the error
         failure.profile = result  # the API's caller finds them on the error
         raise failure
     return result
+
+
+def _start(s, targets: list[int]) -> None:
+    """Start every rank's profiler, or none: on any rank that could not (or that already
+    runs a torch.profiler of the user's, which a second one would stop), every profiler
+    started is stopped again and the profile refused in one line."""
+    try:
+        answers = s.apply(profiling.start, bool(s.plan.gpus), ranks=targets)
+    except DistCellError as e:  # an engine could not even run the call
+        _stop_all(s, targets)
+        raise DistUsageError(f"%%dist_profile could not start: {e}") from None
+    refused = {r: a["refused"] for r, a in answers.items() if "refused" in a}
+    failed = {r: a["error"] for r, a in answers.items() if "error" in a}
+    if refused or failed:
+        _stop_all(s, targets)
+    if refused:
+        where = rank_label(sorted(refused))[1:-1]
+        raise DistUsageError(
+            f"%%dist_profile refused: {next(iter(refused.values()))} on {where}; stop it first "
+            "(prof.stop(), or leave its with-block)."
+        )
+    if failed:
+        r, why = next(iter(sorted(failed.items())))
+        raise DistUsageError(f"%%dist_profile could not start the profiler on rank {r}: {why}")
+
+
+def _stop_all(s, targets: list[int]) -> None:
+    try:
+        s.apply(profiling.stop_quietly, ranks=targets)
+    except DistCellError:
+        pass
 
 
 def _clock(s, rank: int) -> timeline.RankClock:

@@ -1,6 +1,8 @@
-"""``%%dist_profile``'s figure: a row per rank, its window split into compute,
-communication, waiting for the last peer inside a collective, and idle. matplotlib,
-imported when drawn; themed like the benchmark figures."""
+"""``%%dist_profile``'s figure: a row per rank, its cell split into compute,
+communication, waiting for the last peer inside a collective, and idle (the parts add up
+to the rank's wall time; core/timeline.py). A rank whose wait could not be measured (no op
+matched on its peers) shows none: that time is in its communication. matplotlib, imported
+when drawn; themed like the benchmark figures."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def plot_breakdown(ranks: pd.DataFrame) -> Figure:
         labels = [f"rank {r}" for r in ranks["rank"]] if len(ranks) else []
         left = [0.0] * len(ranks)
         for column, label, color in PARTS:
-            values = list(ranks[column]) if len(ranks) else []
+            values = [v if v == v and v is not None else 0.0 for v in ranks[column]]
             ax.barh(labels, values, left=left, color=color, label=label, height=0.7)
             left = [a + b for a, b in zip(left, values)]
         ax.invert_yaxis()  # rank 0 on top

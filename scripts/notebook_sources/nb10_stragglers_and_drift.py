@@ -58,23 +58,45 @@ CELLS = [
     print("3 steps done")
     """),
     md("""
-    The figure has a row per rank: time computing, communicating, **waiting inside a
-    collective for the last peer to arrive**, and idle (Python between ops, sleeps). Rank
-    3 is mostly idle (its loader); its dp peer, rank 1, waits about as long inside the
-    gradient all-reduce. The second table lists the collectives that cost the others the
-    most waiting, with the rank that arrived last: rank 3, every step.
+    The figure and the first table have a row per rank; its `wall_ms` is the rank's cell,
+    from its first line to its end (its GPU work done, on GPUs), and it splits into four
+    parts that add up to it, each counted once however many ops overlap:
+
+    * **compute**: a CPU rank's ops on its cell's thread (a GPU rank: its kernels and
+      copies on the GPU);
+    * **wait**: inside a collective (or a send/recv) before its last peer arrived, from the
+      moment the rank's part began to run (a gloo worker took it; on GPUs, the NCCL kernel
+      started) to the last member's;
+    * **communication**: the rest of those collectives and messages;
+    * **idle**: everything else: Python between ops, sleeps, a data loader.
+
+    Rank 3 is mostly idle (its loader); its dp peer, rank 1, waits about as long inside the
+    gradient all-reduce, and the ranks of the other dp group do not wait at all. `ops` and
+    `matched` say how many collectives and messages the rank ran in the cell and how many
+    were found on every member of their group (by group and sequence number, messages by
+    peer and order): the wait is measured for those. When some cannot be matched (a rank
+    left out with `--ranks`, more collectives than the Flight Recorder keeps on a thread it
+    cannot place) their time counts as communication and the line under the figure says
+    what the figures cover; a wait that could not be measured at all is left empty, never 0.
+    The second table lists the collectives of this cell that cost the others the most
+    waiting, with the rank that arrived last: rank 3, every step.
 
     `merged.json` opens in [Perfetto](https://ui.perfetto.dev) (or `chrome://tracing`):
-    one process track per rank, on one clock, so the wait is visible as a long
-    `gloo:all_reduce` on rank 1 ending together with rank 3's short one. Each rank's own
-    trace is beside it, with the distributed information HTA reads. The same from code,
-    with the tables as DataFrames:
+    one process track per rank, on one clock, each rank's threads named, so the wait is
+    visible as a long `gloo:all_reduce` on rank 1's worker thread ending together with
+    rank 3's short one. Each rank's own trace is beside it, with the distributed information
+    HTA reads. The same from code, with the tables as DataFrames:
     """),
     code("""
     import os
     prof = dist_session.profile("for _ in range(3):\\n    step()", out=traces + "/api", echo=False)
     worst = prof.collectives.sort_values("wait_caused_ms", ascending=False)
     print("last to arrive:", sorted(set(worst.head(3)["last_rank"])))
+    r = prof.ranks.set_index("rank")
+    parts = r[["compute_ms", "wait_ms", "communication_ms", "idle_ms"]].sum(axis=1)
+    print("the parts add up to each rank's cell:", bool((abs(parts - r["wall_ms"]) < 0.01).all()))
+    matched = {k: f"{m} of {n}" for k, m, n in zip(r.index, r["matched"], r["ops"])}
+    print("ops matched on every member:", matched)
     print("files:", sorted(os.path.basename(p) for p in prof.files.values()))
     """),
     md("""
