@@ -138,10 +138,15 @@ def test_a_release_at_any_moment_leaves_torch_and_user_state_as_it_was(kind):
         ("x.item()", True),
         ("work.wait()", True),
         ("work.wait(timeout)", True),
+        ("work.wait(cfg.timeout)", True),
+        ("work.wait(timeout=cfg.timeout)", True),
         ("torch.cuda.synchronize()", True),
         ("y = x.tolist()", True),
         ("x.sum()", False),
         ("time.sleep(1)", False),
+        ("time.sleep(cfg.wait)", False),  # an argument's attribute is not the callee
+        ("q.get(timeout=cfg.wait)", False),
+        ("f(x.cpu)", False),
         ("f(x.item())", False),  # stopped at f's call, the item() long done
     ],
 )
@@ -154,12 +159,14 @@ def test_a_known_wait_is_recognised_by_the_call_a_frame_is_stopped_at(line, park
         seen["parked"] = cell_end.parked_in_wait(sys._getframe(1))
 
     class Stub:
-        item = tolist = wait = synchronize = sum = staticmethod(stopped)
+        item = tolist = wait = synchronize = sum = get = cpu = staticmethod(stopped)
         cuda = None
+        timeout = wait_s = 1
 
     Stub.cuda = Stub
+    cfg = types.SimpleNamespace(wait=1, timeout=1)
     names = dict(x=Stub, work=Stub, torch=Stub, time=types.SimpleNamespace(sleep=stopped),
-                 f=lambda v: stopped(), timeout=1)  # fmt: skip
+                 f=stopped, timeout=1, cfg=cfg, q=Stub)  # fmt: skip
     exec(compile(line, "<cell>", "exec"), names)
     assert seen["parked"] is parked
 
@@ -177,3 +184,32 @@ def test_no_release_outside_a_cell_and_nothing_fires_later():
     assert not cell_end.release("between cells", interrupt=True)
     time.sleep(0.05)  # a stray asynchronous exception would fire on this line
     assert cell_end.finish(succeeded=True) is None
+
+
+def test_no_release_raises_into_an_exit_that_waits():
+    """torch's profiler synchronizes in its __exit__ before it disables itself: a release
+    parked there waits for the cell's end instead of leaving the profiler recording."""
+    parked = Parked()
+
+    class Profiler:
+        recording = False
+
+        def __enter__(self):
+            Profiler.recording = True
+            return self
+
+        def __exit__(self, *exc):
+            parked.wait()  # the exit's own sync
+            Profiler.recording = False
+
+    def cell():
+        release_then_abort(parked, 0.1)
+        with Profiler():
+            pass
+        return "went on"
+
+    with cell_end._lock:
+        cell_end._state.update(in_cell=True, why=None)
+    assert cell() == "went on"
+    assert not Profiler.recording
+    assert isinstance(cell_end.finish(succeeded=True), cell_end.RankReleased)

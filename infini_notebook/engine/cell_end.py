@@ -14,7 +14,8 @@
   fires at the thread's next bytecode, wherever that is: inside a ``with`` block's
   ``__exit__`` it would skip the rest of it (grad mode left off, autocast left on, a user's
   lock held). So one is raised only into a main thread parked in a known wait: its top frame
-  stopped at a call of ``.item()``, ``.wait()``, ``synchronize()`` ... (``parked_in_wait``),
+  stopped at a call of ``.item()``, ``.wait()``, ``synchronize()`` ..., no ``__exit__``
+  below it (``parked_in_wait``),
   and only before the abort that ends that wait (rank_services.abort), so the exception
   fires as that call returns, in that frame, as if the call itself raised. A thread running
   Python instead goes on until the next collective on the aborted communicator raises, or
@@ -149,33 +150,49 @@ WAIT_CALLS = frozenset(
 
 
 def parked_in_wait(frame) -> bool:
-    """Whether ``frame`` (a thread's top frame) is stopped at a call of a known wait: the
-    instruction it executes is a call whose callee is an attribute or global named in
-    WAIT_CALLS, with nothing but constants and locals between them as arguments
-    (``x.item()``, ``work.wait()``, ``torch.cuda.synchronize()``, ``work.wait(timeout)``)."""
-    if frame is None:
+    """Whether ``frame`` (a thread's top frame) is stopped at a call of a known wait, and
+    not while a ``with`` block is being left: the instruction it executes is a call whose
+    callee is named in WAIT_CALLS (``x.item()``, ``work.wait(timeout=t)``,
+    ``torch.cuda.synchronize()``), and no frame below it is an ``__exit__`` (torch's own
+    profiler synchronizes in its ``__exit__`` before it disables itself: an exception there
+    would leave it recording)."""
+    if frame is None or _leaving_a_with(frame):
         return False
+    return _callee(frame) in WAIT_CALLS
+
+
+def _callee(frame) -> str | None:
+    """The name of what the call ``frame`` is stopped at calls: of the loads before it that
+    start where the call expression starts, the one that reaches furthest (``a.b.wait`` in
+    ``a.b.wait(x.item)``, never an argument's attribute). Source positions, Python >= 3.11."""
     import dis
 
-    callee, current = None, None  # the name loaded as the callee of the call being built
+    instructions, current = [], None
     for ins in dis.get_instructions(frame.f_code):
         if ins.offset > frame.f_lasti:  # f_lasti may point into the instruction's caches
             break
-        if current is not None:
-            if current.opname in ("LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL"):
-                callee = current.argval
-            elif current.opname not in _ARGUMENT_OPS:
-                callee = None
+        instructions.append(ins)
         current = ins
-    return current is not None and current.opname.startswith("CALL") and callee in WAIT_CALLS
+    where = getattr(current, "positions", None)
+    if current is None or not current.opname.startswith("CALL") or where is None:
+        return None
+    start = (where.lineno, where.col_offset)
+    callee, reach = None, None
+    for ins in instructions[:-1]:
+        at = ins.positions
+        if ins.opname.startswith("LOAD") and at and (at.lineno, at.col_offset) == start:
+            end = (at.end_lineno or 0, at.end_col_offset or 0)
+            if reach is None or end >= reach:
+                callee, reach = ins.argval, end
+    return callee if isinstance(callee, str) else None
 
 
-# What may stand between a wait's callee and its call: arguments that are constants or
-# locals, and the interpreter's own bookkeeping (3.11's PRECALL, KW_NAMES; 3.12's PUSH_NULL).
-_ARGUMENT_OPS = frozenset(
-    {"LOAD_CONST", "LOAD_FAST", "LOAD_NAME", "LOAD_DEREF", "PRECALL", "KW_NAMES", "PUSH_NULL"}
-    | {"CACHE", "EXTENDED_ARG"}
-)
+def _leaving_a_with(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name in ("__exit__", "__aexit__"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _set_async_exc(exc) -> None:
