@@ -237,7 +237,7 @@ def test_top_level_await_is_refused_at_once_with_what_works_instead(kernel):
     assert "Line 2 awaits at the top level" in err and "ThreadPoolExecutor" in err, err
     assert "\n" not in err.strip() and "Traceback" not in err
     instead = (
-        "%%dist\nimport asyncio, concurrent.futures\n"
+        f"%%dist\n{async_cells.IMPORTS}\n"
         "async def main():\n    await asyncio.sleep(0.01)\n    return rank * 2\n"
         f"print('got', {async_cells.INSTEAD})"
     )
@@ -254,6 +254,12 @@ def test_top_level_await_is_refused_at_once_with_what_works_instead(kernel):
         ("async def f():\n    await g()\nx = 1", None),
         ("f = lambda: 1\nprint(f())", None),
         ("def broken(:\n", None),  # a syntax error is the rank's to report
+        ("import asyncio\ndef f(a=await asyncio.sleep(0, 5)):\n    return a", 2),  # default
+        ("@(await make())\ndef f():\n    pass", 1),  # decorators run as it is defined
+        ("f = lambda a=await x: a", 1),
+        ("def f(x: await y):\n    pass", 1),  # annotations too
+        ("class C:\n    async def m(self):\n        await g()", None),
+        ("s = 'await x'", None),
     ],
 )
 def test_top_level_await_is_found_only_outside_functions(source, line):
