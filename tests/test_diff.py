@@ -421,3 +421,30 @@ def test_cpu_leaves_go_over_a_gloo_twin_built_on_first_use_by_every_rank():
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert results[0] == ["cpu:gloo", 0, 1, {}], results
     assert results[1] == ["cpu:gloo", 0, 1, {"step": 0.5}], results
+
+
+def test_conjugate_negative_and_quantized_views_are_described_by_their_values():
+    """Review of issue 39: a conjugate or negative-bit view crashed the checksum; quantized
+    tensors of another scale were called identical (only their integers were hashed)."""
+    import torch
+
+    from infini_notebook.engine.replica_check import describe
+
+    x = torch.tensor([1 + 2j, 3 - 1j])
+    assert describe(x.conj())["sum"] == describe(x.conj().resolve_conj())["sum"]
+    assert describe(x.conj())["sum"] != describe(x)["sum"]
+    neg = torch._neg_view(torch.tensor([1.0, -2.0]))
+    assert describe(neg)["sum"] == describe(torch.tensor([-1.0, 2.0]))["sum"]
+    a = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 0, torch.qint8)
+    b = torch.quantize_per_tensor(torch.tensor([2.0, 4.0]), 0.2, 0, torch.qint8)
+    assert torch.equal(a.int_repr(), b.int_repr())  # the same integers ...
+    assert describe(a)["sum"] != describe(b)["sum"]  # ... are not the same values
+
+
+def test_plain_objects_are_not_told_apart_by_their_addresses():
+    from infini_notebook.engine.replica_check import describe
+
+    class Config:
+        pass
+
+    assert describe(Config())["sum"] == describe(Config())["sum"]

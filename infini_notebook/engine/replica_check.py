@@ -8,6 +8,7 @@ each was compared with, sent from that rank. The comparison is core/replica_diff
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +38,8 @@ def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def local(t):
     """A tensor's own data: a DTensor's local shard, a sparse tensor densified, a quantized
-    one's integers."""
+    one's values (its integers alone would call tensors of another scale identical), a
+    conjugate or negative view resolved (such views cannot be viewed as other dtypes)."""
     import torch
 
     t = t.detach()
@@ -46,7 +48,12 @@ def local(t):
         t = to_local()
     if t.layout != torch.strided:
         t = t.to_dense()
-    return t.int_repr() if t.is_quantized else t
+    if t.is_quantized:
+        try:
+            return t.dequantize()
+        except RuntimeError:  # sub-byte quantized types have no dequantize kernel here
+            return t.int_repr()
+    return t.resolve_conj().resolve_neg()
 
 
 def placement(t) -> dict:
@@ -96,10 +103,14 @@ def _any(check, t) -> bool:
         return bool(check(t.float()).any())
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def describe_value(value: Any) -> dict:
     """A plain leaf, compared by equality: its repr's digest; a numpy array's by its dtype,
     shape and bytes (a long array's repr elides the middle)."""
-    text = repr(value)
+    # an object's default repr holds its address, different on every rank
+    text = _ADDRESS.sub(" at 0x...", repr(value))
     digest = hashlib.blake2b(digest_size=16)
     np = sys.modules.get("numpy")  # an ndarray means numpy is imported
     if np is not None and isinstance(value, np.ndarray):

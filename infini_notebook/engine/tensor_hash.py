@@ -30,7 +30,9 @@ def word_dtype(t):
 def words(t):
     """The elements of ``t`` (dense, not quantized) as flat integers of the same bits: one
     per element of 1, 2, 4 or 8 bytes, two int64 per 16-byte complex. A view with any
-    storage offset works: the integers are as wide as the elements."""
+    storage offset works: the integers are as wide as the elements. Conjugate and negative
+    views are resolved first (torch refuses to view them as another dtype)."""
+    t = t.resolve_conj().resolve_neg()
     if t.element_size() > 8:
         t = t.reshape(-1).contiguous()  # viewing as narrower words needs stride 1
     return t.view(word_dtype(t)).reshape(-1).contiguous()
