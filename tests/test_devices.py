@@ -101,6 +101,8 @@ def test_the_count_path_is_unchanged(n, extra):
         (dict(gpus="0,0", gpu_memory_fraction=1.5), ["above 0", "at most 1", "0.45"]),
         (dict(gpus="0,0", gpu_memory_fraction=0.0), ["above 0"]),
         (dict(nprocs=2, gpu_memory_fraction=0.5), ["CPU ranks", "--gpus"]),
+        (dict(gpus="0,0", gpu_memory_fraction=0.9), ["2 ranks on one GPU", "at most 0.50"]),
+        (dict(gpus="0,1,0,0", gpu_memory_fraction=0.4), ["3 ranks on one GPU", "1.20"]),
         (dict(gpus="4,5,6,7", visible_gpus=EIGHT[:4]), ["no GPU 4", "ids 0-3", "0,1,2,3"]),
         (dict(gpus="0-99999"), ["no GPU 99999"]),
         (dict(gpus=""), ["Bad --gpus", "--gpus 4,5,6,7"]),
@@ -219,8 +221,10 @@ def test_ranks_sharing_a_gpu_get_distinct_nccl_host_ids_per_slot():
 
 
 def test_a_new_nccl_shares_a_gpu_by_its_own_switch():
-    plan = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 31, 0))
+    plan = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 30, 0))
     assert plan.sharing_env(1, "s") == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    older = make_plan(gpus="0,0", visible_gpus=EIGHT, nccl_version=(2, 29, 7))
+    assert "NCCL_HOSTID" in older.sharing_env(1, "s")
 
 
 def test_gloo_ranks_may_share_a_gpu_without_nccl_settings():
@@ -241,6 +245,9 @@ def test_sharing_reaches_the_engine_environment():
     cfg = {"nccl_sharing": {"NCCL_HOSTID": "a", "NCCL_NET": "Socket"}}
     env = bootstrap.sharing_environment(cfg, {"NCCL_NET": "IB"})
     assert env == {"NCCL_HOSTID": "a"}
+    # a cluster that sets NCCL_HOSTID per pod: ours is appended, else every rank had one id
+    env = bootstrap.sharing_environment(cfg, {"NCCL_HOSTID": "node17"})
+    assert env == {"NCCL_HOSTID": "node17-a", "NCCL_NET": "Socket"}
 
 
 def test_the_ready_line_and_status_say_which_ranks_share_which_gpu():

@@ -121,3 +121,12 @@ def test_a_rank_that_clears_its_output_counts_toward_the_cap_afresh():
     assert labeler.feed("stdout", {0: "a\nb\nc\nd\n", 1: "x\n"}).count("capped at 3") == 1
     labeler.reset(0)  # rank 0 called clear_output
     assert labeler.feed("stdout", {0: "e\n", 1: "y\n"}) == "[rank 0] e\n[rank 1] y\n"
+
+
+def test_a_clear_drops_the_rank_s_unfinished_line_too():
+    from infini_notebook.core.output import StreamLabeler
+
+    labeler = StreamLabeler()
+    assert labeler.complete(0, "stdout", "partial-before-clear") == ""
+    labeler.reset(0)
+    assert labeler.complete(0, "stdout", "new\n") == "new\n"

@@ -186,8 +186,9 @@ def slot_on_gpu(gpus: Sequence[str], rank: int) -> int:
 
 # NCCL refuses two ranks of a communicator on one GPU: init.cc's check ("Duplicate GPU
 # detected") compares the peers' host hash and bus id. Two ways past it, by version:
-# - NCCL >= 2.31 reads NCCL_MULTI_RANK_GPU_ENABLE=1 (init.cc) and keeps its intra-node
-#   transports (public runs: "NCCL 2.31's NCCL_MULTI_RANK_GPU_ENABLE=1 permits" it).
+# - NCCL >= 2.30 reads NCCL_MULTI_RANK_GPU_ENABLE=1 (init.cc: the duplicate check then
+#   compares host hash and GPU UUID only where the flag is off) and keeps its intra-node
+#   transports; experimental (public runs on 2.30 and 2.31; not yet run here).
 # - Before that, misc/utils.cc getHostHash() takes the host hash from NCCL_HOSTID when set,
 #   read once per process before the first communicator: ranks of one GPU get distinct ids
 #   and so look like separate nodes. P2P and SHM need equal host hashes (transport/p2p.cc,
@@ -195,7 +196,7 @@ def slot_on_gpu(gpus: Sequence[str], rank: int) -> int:
 #   HCA, which a one-GPU box may lack), on the loopback interface the session already
 #   names (NCCL_SOCKET_IFNAME, engine.bootstrap.backend_defaults), and NVLS off (it needs
 #   every rank of a node on a distinct GPU). Ranks on distinct GPUs of one slot keep P2P.
-MULTI_RANK_GPU_NCCL = (2, 31, 0)
+MULTI_RANK_GPU_NCCL = (2, 30, 0)
 HOSTID_NCCL = (2, 12, 0)  # the oldest misc/utils.cc read that takes NCCL_HOSTID
 
 

@@ -103,6 +103,7 @@ class StreamLabeler:
         for stream in ("stdout", "stderr"):
             self.capped.discard((rank, stream))
             self._lines.pop((rank, stream), None)
+            self._open.pop((rank, stream), None)  # an unfinished line is cleared too
 
     def live(self) -> str:
         """The unfinished lines being rewritten in place (progress lines), labeled, one per

@@ -339,6 +339,13 @@ def _memory_fraction(o: StartOptions, plan: SessionPlan) -> float | None:
             f"--gpu-memory-fraction {f}: give a fraction of the GPU's memory per rank, above 0 "
             "and at most 1 (two ranks sharing one GPU: 0.45 each leaves room for both)."
         )
+    most = max(len(ranks) for ranks in plan.shared_gpus.values()) if plan.shared_gpus else 1
+    if f * most > 1:
+        raise DistUsageError(
+            f"--gpu-memory-fraction {f} for {most} ranks on one GPU asks for {f * most:.2f} of "
+            f"it: give at most {1 / most:.2f} (a little less leaves room for each rank's CUDA "
+            "context)."
+        )
     return float(f)
 
 

@@ -180,8 +180,16 @@ def backend_defaults(environ, loopback_iface: str | None) -> dict[str, str]:
 
 def sharing_environment(cfg: dict, environ) -> dict[str, str]:
     """NCCL's settings for ranks that share a GPU (core/devices.sharing_env), set before the
-    first communicator; a user's own setting (--env, the kernel's environment) stays. Pure."""
-    return {k: v for k, v in cfg.get("nccl_sharing", {}).items() if k not in environ}
+    first communicator; a user's own setting (--env, the kernel's environment) stays, except
+    that a host id the user set gets our per-slot suffix: one id for every rank would make
+    NCCL refuse the ranks sharing the GPU. Pure."""
+    env = {}
+    for key, value in cfg.get("nccl_sharing", {}).items():
+        if key == "NCCL_HOSTID" and environ.get(key):
+            env[key] = f"{environ[key]}-{value}"
+        elif key not in environ:
+            env[key] = value
+    return env
 
 
 def engine_environment(cfg: dict) -> dict[str, str]:

@@ -105,7 +105,8 @@ def ask(prompt: str, password: bool = False) -> str:
     }
     mac_key = _state["cfg"]["mac_key"]
     log = prompt_key("asks")
-    store.append(log, signing.sign(mac_key, log, json.dumps(question)) + b"\n")
+    # a newline before as well: stray bytes someone else appended form a line of their own
+    store.append(log, b"\n" + signing.sign(mac_key, log, json.dumps(question)) + b"\n")
     reply = _signed_answer(store, mac_key, prompt_key("answer", n))
     if "error" in reply:
         raise StdinNotImplementedError(reply["error"])

@@ -37,6 +37,7 @@ class Rendezvous:
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
         self._prompted = 0  # bytes of the ranks' questions for stdin read so far
         self._answered: list[str] = []  # answers given, deleted by the rank that reads one
+        self._asked: set[str] = set()  # ids of the questions read
         method = plan.init_method
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
 
@@ -169,16 +170,22 @@ class Rendezvous:
         if store is None or not store.check([key]):
             return []
         written = store.get(key)
+        if len(written) < self._prompted:  # the log was deleted and begun anew meanwhile
+            self._prompted = 0
         end = written.rfind(b"\n") + 1
         lines, self._prompted = written[self._prompted : end], max(self._prompted, end)
         out = []
-        for line in lines.splitlines():
+        for line in filter(None, lines.splitlines()):
             body = signing.verify(self.mac_key, key, line)
             try:
                 question = json.loads(body)
-                out.append((str(question["id"]), question))
+                n = str(question["id"])
             except (ValueError, KeyError, TypeError):  # not a question our ranks wrote
                 self._forged("an unsigned question for stdin")
+                continue
+            if n not in self._asked:  # a question replayed into the log is asked once
+                self._asked.add(n)
+                out.append((n, question))
         return out
 
     def answer_prompt(self, n: str, reply: dict, secret: bool = False) -> None:
@@ -193,8 +200,15 @@ class Rendezvous:
 
     def drop_unread_answers(self) -> None:
         """Once a cell ended: delete the answers no rank read (it died or was stopped at its
-        prompt), so that none lingers in the store."""
+        prompt), so that none lingers in the store, and the question log, read by then (it
+        would grow with every pdb command of the session, and be read whole each poll)."""
         answered, self._answered = self._answered, []
+        if self._keys is not None and self._prompted:
+            try:
+                self._keys.delete_key(prompt_key("asks"))
+                self._prompted = 0
+            except Exception:  # the store is closing with the session
+                pass
         for n in answered:
             try:
                 self._keys.delete_key(prompt_key("answer", n))
