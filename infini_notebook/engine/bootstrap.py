@@ -414,21 +414,24 @@ def push_values(values: dict) -> None:
     user_namespace().update(values)
 
 
-def pull_shared(name: str, path: str) -> Any:
-    """``pull_value`` through the kernel's shared-memory file ``path`` (see shm_transport):
-    a ``Packed``, or the value itself where it cannot go that way."""
-    return shm_transport.pack_or_value(pull_value(name), path)
+def pull_shared(name: str, segment: shm_transport.Segment) -> Any:
+    """``pull_value`` through the kernel's shared-memory file ``segment`` (see
+    shm_transport): a ``Packed``, or the value itself where it cannot go that way."""
+    return shm_transport.pack_or_value(pull_value(name), segment)
 
 
-def push_shared(plain: dict, packed: shm_transport.Packed | None, path: str) -> bool:
+def push_shared(
+    plain: dict, packed: shm_transport.Packed | None, segment: shm_transport.Segment | None
+) -> bool:
     """``push_values`` of ``plain`` (as ipyparallel sends values) and of what ``packed`` holds
-    in the kernel's file ``path``. False, with nothing set, when this engine finds no such
-    file (it sees another /dev/shm): the kernel then sends the values the ordinary way."""
+    in the kernel's file ``segment``. False, with nothing set, when this engine does not find
+    that file (it sees another /dev/shm, or the kernel gave up on the push and removed it):
+    the kernel then sends the values the ordinary way, if it still waits."""
     values = dict(plain)
     if packed is not None:
         try:
-            values.update(shm_transport.unpack(packed, path))
-        except FileNotFoundError:
+            values.update(shm_transport.unpack(packed, segment))
+        except (FileNotFoundError, shm_transport.ForeignFile):
             return False
     push_values(values)
     return True

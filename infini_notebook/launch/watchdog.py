@@ -7,7 +7,7 @@ launches every process of the session (controller, engines, their nannies) with
 is gone, the watchdog ends the processes that carry that mark and started after ``SINCE``,
 and nothing else. So it covers processes that appear while the session is still starting,
 and those a hard restart brings up, without being told about each. Then it removes the
-session's folder and its shared-memory files (``/dev/shm/<folder's name>-*``).
+session's folder and its folder in /dev/shm (``/dev/shm/<folder's name>-*``).
 """
 
 from __future__ import annotations
@@ -82,14 +82,12 @@ def remove_session_folder(path: str) -> None:
 
 
 def remove_shared_files(folder: str) -> None:
-    """The session's shared-memory files (see shm_transport), named after its folder, which
+    """The session's folders in /dev/shm (see shm_transport), named after its folder, which
     must be named as a session's."""
-    import glob
-
-    from ..engine.shm_transport import file_prefix, remove
+    from ..engine.shm_transport import remove_session_dirs
 
     if os.path.basename(os.path.normpath(folder)).startswith(FOLDER_PREFIX):
-        remove(glob.glob(glob.escape(file_prefix(folder)) + "-*"))
+        remove_session_dirs(folder)
 
 
 def main(argv: list[str]) -> int:
