@@ -20,6 +20,7 @@ from . import (
     cell_names,
     output_streams,
     rank_services,
+    remote_start,
     shm_transport,
     stdin_relay,
     threads,
@@ -76,8 +77,7 @@ def bootstrap(cfg: dict) -> dict:
 
     ``cfg`` comes from the kernel (see ``launch.startup.engine_config``)."""
     cfg = dict(cfg, threads=threads.per_rank(cfg))
-    if cfg.get("remove_copy"):
-        remove_remote_copy(cfg["workdir"])
+    remote_start.remove_own_folder()  # an engine on another host: see remote_start
     _set_environment(cfg)
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
@@ -101,20 +101,6 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
-
-
-def remove_remote_copy(workdir: str) -> bool:
-    """mpiexec and Slurm engines on another host create the session's folder there (their
-    profile, logs only; they read nothing from it once registered). Remove it, unless it
-    is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
-    from ..launch.watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_session_folder
-
-    if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
-        return False
-    if os.path.exists(os.path.join(workdir, KERNEL_MARK)):
-        return False
-    remove_session_folder(workdir)
-    return True
 
 
 def _keep_no_output_history() -> None:

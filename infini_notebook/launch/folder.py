@@ -6,7 +6,6 @@ those processes if the kernel dies. :class:`SessionFolder` is the only writer of
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import psutil
 
 from ..engine import shm_transport
 from . import launchers
-from .watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_shared_files
+from .watchdog import FOLDER_PREFIX, remove_session_folder, remove_shared_files
 
 
 class SessionFolder:
@@ -29,9 +28,6 @@ class SessionFolder:
         self.created: float = warmed.created if warmed else time.time()
         self._watchdog: subprocess.Popen | None = warmed.watchdog if warmed else None
         self._shm_dir: str | None = None  # made at the first transfer: see shm_dir
-        # Engines on another host find no such file in their copy of this folder (see
-        # engine.bootstrap.remove_remote_copy); on this host they do.
-        open(os.path.join(self.path, KERNEL_MARK), "w").close()
 
     @property
     def profile_dir(self) -> str:
@@ -74,7 +70,7 @@ class SessionFolder:
         shm_transport.clear_dir(self._shm_dir)
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        remove_session_folder(self.path)  # with the folders it noted elsewhere
         remove_shared_files(self.path)  # and its folder in /dev/shm
 
 
