@@ -425,6 +425,7 @@ def test_an_engine_makes_its_own_profile_folder_and_removes_it(planted, tmp_path
     profile, marker = planted
     out = _remote_start("make", profile, str(tmp_path))
     assert "connection file never arrived" in out.stderr, out.stderr[-2000:]
+    assert profile not in out.stderr  # it looked in its own profile, not the planted one
     assert not os.path.exists(marker)  # the planted config never ran
     assert os.listdir(tmp_path) == []  # its own folder (made in TMPDIR) is gone with it
 

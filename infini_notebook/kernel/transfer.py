@@ -17,9 +17,10 @@ from ..engine import bootstrap, shm_transport
 def shared_ranks(s, targets: list[int]) -> list[int]:
     """Of ``targets``, the ranks whose engine is a process of ours on this host (see
     engine_sets.own_process), when /dev/shm is there to use."""
-    if not shm_transport.enabled or s.folder.shm_dir() is None:
+    if not shm_transport.enabled:
         return []
-    return [r for r in targets if s.engines.local(r) is not None]
+    local = [r for r in targets if s.engines.local(r) is not None]
+    return local if local and s.folder.shm_dir() is not None else []
 
 
 def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
