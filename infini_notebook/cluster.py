@@ -165,7 +165,7 @@ class Session:
         self.running = False
         remote_folders = startup.remote_folder_removers(self.engines)  # before the engines go
         self.engines.stop_all()
-        startup.remove_remote_folders(self.folder, remote_folders)
+        startup.remove_remote_folders(remote_folders)
         self.folder.disarm_watchdog()  # last: it covers a kernel killed while the rest stops
         self.engines.client.stop_loop()
         self.rendezvous.close()

@@ -380,7 +380,7 @@ class DistMagics(Magics):
             cells, settings, lambda flags: parse_argstring(self.dist, flags),
             filename=os.path.basename(path),
         )  # fmt: skip
-        export.write_script(path, result.text)
+        export.write_script(path, result.text, args.force)
         print(result.summary(path))
 
     # ----- auto mode ----------------------------------------------------------------------

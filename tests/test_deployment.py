@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 from conftest import KILL_CONTROLLER, REPO, text_of, use_session
+from other_user import needs_root
 
 
 def error_text(cell) -> str:
@@ -181,22 +182,34 @@ def test_a_store_on_every_interface_gives_ranks_an_address_to_connect_to(kernel)
     assert "[rank 1] 127.0.0.1" in out  # not 0.0.0.0, which is no address to connect to
 
 
-def test_engines_elsewhere_remove_their_copy_of_the_session_folder(tmp_path):
-    """mpiexec and Slurm engines on another host create the session's folder there; the
-    kernel's own (this host, or a shared filesystem) carries a mark and stays."""
-    from infini_notebook.engine.bootstrap import remove_remote_copy
-    from infini_notebook.launch.watchdog import KERNEL_MARK
+@needs_root
+def test_only_the_sessions_own_folders_go_with_it(tmp_path):
+    """The folders a session noted elsewhere go with it, unless they are not its own: named
+    as a session's, folders (not links) of this user's."""
+    from other_user import as_other
 
-    copy = tmp_path / "infini-notebook-abc123"
-    (copy / "profile" / "log").mkdir(parents=True)
-    assert remove_remote_copy(str(copy)) and not copy.exists()
-    kernels = tmp_path / "infini-notebook-def456"
-    (kernels / "profile").mkdir(parents=True)
-    (kernels / KERNEL_MARK).touch()
-    assert not remove_remote_copy(str(kernels)) and kernels.exists()
-    other = tmp_path / "someone-elses"
+    from infini_notebook.launch.watchdog import record_elsewhere, remove_session_folder
+
+    session = tmp_path / "infini-notebook-s2"
+    session.mkdir()
+    ours = tmp_path / ".infini-notebook-slurm-ours"
+    ours.mkdir(0o700)
+    theirs = f"/tmp/.infini-notebook-slurm-theirs{os.getpid()}"
+    assert as_other(os.mkdir, theirs, 0o777) is None
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / ".infini-notebook-slurm-link"
+    link.symlink_to(target)
+    other = tmp_path / "notes"
     other.mkdir()
-    assert not remove_remote_copy(str(other)) and other.exists()  # not a session's folder
+    for path in (ours, theirs, link, other):
+        record_elsewhere(str(session), str(path))
+    try:
+        remove_session_folder(str(session))
+        assert not session.exists() and not ours.exists()
+        assert os.path.isdir(theirs) and link.is_symlink() and target.is_dir() and other.is_dir()
+    finally:
+        os.rmdir(theirs)
 
 
 def test_sigkill_of_the_kernel_removes_the_session_folder():

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import REPO, text_of
 from IPython.core.magic_arguments import parse_argstring
+from other_user import needs_root
 
 from infini_notebook.core import export
 from infini_notebook.core.errors import DistUsageError
@@ -348,3 +349,64 @@ def test_export_magic_errors_and_help(kernel, tmp_path):
     # what %dist_export? shows (IPython pages it, so read the magic's docstring directly)
     doc = text_of(kernel.run('print(get_ipython().find_line_magic("dist_export").__doc__)'))
     assert "Write this session's %%dist cells" in doc and "--force" in doc
+
+
+# ----- another user's link where the script goes (issue 44.5) ---------------------------------
+
+
+def _link_as_other(folder: str, target: str) -> str:
+    """As uid 65534: a shared folder's train.py, a link to where they can read it later."""
+    os.makedirs(os.path.dirname(target), 0o777)
+    os.symlink(target, os.path.join(folder, "train.py"))
+    return "linked"
+
+
+@pytest.fixture
+def shared_folder():
+    """A folder every user may write in (a team's scratch folder), and another user's
+    folder to read from; both removed after."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="shared-", dir="/tmp")
+    os.chmod(folder, 0o777)
+    theirs = f"{folder}-theirs"
+    yield folder, os.path.join(theirs, "loot.py")
+    shutil.rmtree(folder)
+    shutil.rmtree(theirs, ignore_errors=True)
+
+
+@needs_root
+def test_export_writes_nothing_through_another_users_link(kernel, shared_folder):
+    from other_user import as_other
+
+    folder, target = shared_folder
+    assert as_other(_link_as_other, folder, target) == "linked"
+    path = os.path.join(folder, "train.py")
+    for flags in ("", " --force"):
+        shown = text_of(kernel.run(f"%dist_export {path}{flags}", allow_error=True))
+        assert "is a symbolic link" in shown and "DistUsageError" in shown, shown
+    assert not os.path.exists(target)  # the link points at nothing still
+
+
+@needs_root
+def test_a_link_made_after_the_check_is_not_followed(shared_folder):
+    """The check and the write are two steps: a link made between them is not written
+    through, with --force or without."""
+    from other_user import as_other
+
+    folder, target = shared_folder
+    path = os.path.join(folder, "train.py")
+    export.check_path(path, force=False)  # nothing there yet
+    assert as_other(_link_as_other, folder, target) == "linked"
+    for force in (False, True):
+        with pytest.raises(DistUsageError, match="Cannot write"):
+            export.write_script(path, "print('secret')\n", force)
+    assert not os.path.exists(target)
+    os.remove(path)
+    export.write_script(path, "print(1)\n")
+    assert open(path).read() == "print(1)\n"
+    with pytest.raises(DistUsageError, match="File exists"):
+        export.write_script(path, "print(2)\n")  # made after the check: not overwritten
+    export.write_script(path, "print(3)\n", force=True)
+    assert open(path).read() == "print(3)\n"

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 from conftest import Frontend, fresh_kernel, text_of
+from other_user import needs_root
 
 from infini_notebook.core.plan import make_plan
 from infini_notebook.launch.launchers import engine_options
@@ -89,6 +90,17 @@ class TwoHosts:
             )
         time.sleep(1)
 
+    def ssh(self, addr: str, command: str, stdin: str = "") -> str:
+        """``command`` run by sh on host ``addr`` as root (its own /tmp)."""
+        out = subprocess.run(
+            ["ssh", *self.ssh_args.split(), addr, command],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return out.stdout
+
     @property
     def ssh_args(self) -> str:
         return (
@@ -140,12 +152,39 @@ def states(k) -> list[str]:
     return ast.literal_eval(text_of(k.run("print([r.state for r in dist_session.status()])")))
 
 
+# The kernel's folder, at a path the test knows before the session starts (another user of the
+# host can read it in ``ls /tmp`` and ``ps``).
+KNOWN_FOLDER = """\
+import os, types, infini_notebook.launch.folder as _folder
+def _known(prefix):
+    os.mkdir({path!r}, 0o700)
+    return {path!r}
+_folder.tempfile = types.SimpleNamespace(mkdtemp=_known)
+"""
+# What uid 65534 leaves at that path on a host, before the session starts.
+PLANT = (
+    "setpriv --reuid=65534 --regid=65534 --clear-groups sh -c "
+    "'umask 0; mkdir -p {path}/profile && cat > {path}/profile/ipengine_config.py'"
+)
+ATTACK_CONFIG = "open({marker!r}, 'w').write('ran')\n"
+
+
+def session_folders(hosts: TwoHosts, addr: str) -> list[str]:
+    return hosts.ssh(addr, "ls -d /tmp/infini-notebook-* 2>/dev/null").split()
+
+
 def test_two_host_ssh_session(hosts):
     a, b = hosts.addrs
     # ssh does not carry the environment: remote engines import the same tree as the kernel
     here = os.environ.get("PYTHONPATH")
     pythonpath = f"--env PYTHONPATH={here} " if here else ""
+    # Another user made the kernel's folder path on host a first, with an engine config.
+    known = f"/tmp/infini-notebook-known{os.getpid()}"
+    marker = f"{known}/ran"
+    hosts.ssh(a, PLANT.format(path=known), stdin=ATTACK_CONFIG.format(marker=marker))
+    assert session_folders(hosts, a) == [known]
     with fresh_kernel(timeout=240) as k:
+        k.run(KNOWN_FOLDER.format(path=known))
         start = k.run(
             f"%dist_start --launcher ssh --hosts {a}:2,{b}:2 --tp 2 --timeout 60 "
             f"--bind-address {SUBNET}.1 --env GLOO_SOCKET_IFNAME={IFACE} {pythonpath}"
@@ -153,6 +192,10 @@ def test_two_host_ssh_session(hosts):
             timeout=240,
         )
         assert "no authentication" in text_of(start)  # widening the bind address warns
+        assert text_of(k.run("print(dist_session.folder.path)")).strip() == known
+        assert hosts.ssh(a, f"ls {marker} 2>&1").strip().endswith("No such file or directory")
+        # Each host's engines had a folder of their own, removed once their ranks were set up.
+        assert session_folders(hosts, a) == [known] and session_folders(hosts, b) == []
         out = text_of(
             k.run(
                 "%%dist\nimport os\nx = torch.tensor([float(rank)]); dist.all_reduce(x)\n"
@@ -199,6 +242,9 @@ def test_two_host_ssh_session(hosts):
                 break
             time.sleep(0.5)
         assert not any(leftovers.values()), leftovers
+    assert session_folders(hosts, a) == [known] and session_folders(hosts, b) == []
+    assert hosts.ssh(a, f"ls {marker} 2>&1").strip().endswith("No such file or directory")
+    hosts.ssh(a, f"rm -rf {known}")
 
 
 def _descendants(pids: set[int]) -> set[int]:
@@ -232,6 +278,16 @@ def _children_of(pid: int) -> list[psutil.Process]:
         return []
 
 
+OWN_PROFILE = """\
+%%dist
+import os
+from ipyparallel.engine.app import IPEngine
+_folder = os.path.dirname(IPEngine.instance().profile_dir.location)
+print("own" if _folder != {kernels!r} and "infini-notebook-" in _folder else _folder,
+      "there" if os.path.exists(_folder) else "gone")
+"""
+
+
 @pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs OpenMPI (openmpi-bin)")
 def test_mpi_launcher_on_one_host():
     with fresh_kernel(timeout=240) as k:
@@ -243,6 +299,11 @@ def test_mpi_launcher_on_one_host():
             )
         )
         assert "[rank 0] 0 0 3.0" in out and "[rank 1] 1 1 3.0" in out
+        # Each engine's profile was in a folder of its own, not the kernel's, gone once its
+        # rank was set up.
+        kernels = text_of(k.run("print(dist_session.folder.path)")).strip()
+        own = text_of(k.run(OWN_PROFILE.format(kernels=kernels)))
+        assert "[rank 0] own gone" in own and "[rank 1] own gone" in own, own
         children = psutil.Process(k.kernel_pid).children(recursive=True)
         k.run("%dist_stop", timeout=120)
         _, alive = psutil.wait_procs(children, timeout=20)
@@ -282,20 +343,125 @@ def test_slurm_batch_script_carries_the_flags(tmp_path):
         "#SBATCH --ntasks=8",
     ):
         assert line in script, (line, script)
-    assert "NCCL_SOCKET_IFNAME" in script and "ipyparallel.engine" in script
+    assert "NCCL_SOCKET_IFNAME" in script and "infini_notebook.engine.remote_start make" in script
 
 
 def test_mpi_and_slurm_engines_need_no_file_from_the_kernel_host():
     """Other hosts lack the kernel's temporary profile dir: engines get the connection and
-    the profile dir's name by environment (mpiexec forwards only what -x names) and create
-    the directory themselves."""
+    the session's mark by environment (mpiexec forwards only what -x names) and make a
+    folder of their own for their profile (remote_start "make")."""
     mpi = engine_options(make_plan(launcher="mpi", hosts="n1:2,n2:2", bind_address="10.0.0.5"))
     forwarded = {b for a, b in zip(mpi["mpi_args"], mpi["mpi_args"][1:]) if a == "-x"}
     assert {"IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"} <= forwarded
     slurm = engine_options(make_plan(launcher="slurm", nnodes=2, nprocs=2, bind_address="10.0.0.5"))
     for opts in (mpi, slurm):
         assert "--IPEngine.auto_create=True" in opts["engine_args"]
+        assert opts["engine_cmd"][1:] == ["-m", "infini_notebook.engine.remote_start", "make"]
     assert "--export=ALL" in slurm["batch_template"]  # srun passes the whole environment
+    ssh = engine_options(
+        make_plan(launcher="ssh", hosts="n1:2", bind_address="10.0.0.5", remote_python="/py")
+    )
+    assert ssh["engine_cmd"] == ["/py", "-m", "infini_notebook.engine.remote_start", "check"]
+
+
+# ----- a profile folder of the engine's own (issue 44.3) ------------------------------------
+
+
+def _plant_profile(folder: str, marker: str) -> str:
+    """As uid 65534: a profile folder with an engine config that leaves ``marker``."""
+    os.makedirs(os.path.join(folder, "profile"), 0o777)
+    with open(os.path.join(folder, "profile", "ipengine_config.py"), "w") as f:
+        f.write(f"open({marker!r}, 'w').write('ran')\n")
+    return "planted"
+
+
+def _remote_start(mode: str, profile: str, tmpdir: str) -> subprocess.CompletedProcess:
+    """An engine started as on another host, with no controller to find (it gives up at
+    once): what it did with the profile folder it was given."""
+    env = dict(os.environ, IPP_PROFILE_DIR=profile, TMPDIR=tmpdir)
+    env.pop("IPP_CONNECTION_INFO", None)
+    return subprocess.run(
+        [sys.executable, "-m", "infini_notebook.engine.remote_start", mode]
+        + ["--IPEngine.wait_for_url_file=0", "--IPEngine.auto_create=True"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """Another user's folder at a session's path in /tmp, with an engine config in its
+    profile (and where that config would leave its mark)."""
+    from other_user import as_other
+
+    folder = f"/tmp/infini-notebook-planted{os.getpid()}{tmp_path.name[-8:]}"
+    marker = os.path.join(folder, "ran")
+    assert as_other(_plant_profile, folder, marker) == "planted"
+    yield os.path.join(folder, "profile"), marker
+    shutil.rmtree(folder)
+
+
+@needs_root
+def test_an_engine_refuses_a_profile_folder_it_does_not_own(planted, tmp_path):
+    """ssh: the folder the kernel made must be this user's, mode 0700; another's is refused
+    before ipengine reads its config."""
+    profile, marker = planted
+    out = _remote_start("check", profile, str(tmp_path))
+    assert out.returncode == 2 and not os.path.exists(marker)
+    assert "belongs to uid 65534" in out.stderr and "run %dist_start again" in out.stderr
+    ours = tmp_path / "infini-notebook-ours"
+    (ours / "profile").mkdir(parents=True)
+    ours.chmod(0o755)
+    out = _remote_start("check", str(ours / "profile"), str(tmp_path))
+    assert out.returncode == 2 and "has mode 755, not 700" in out.stderr
+
+
+@needs_root
+def test_an_engine_makes_its_own_profile_folder_and_removes_it(planted, tmp_path):
+    """mpiexec, Slurm: the session's folder path comes with the environment (another user
+    may have made it on this host); the engine uses a new folder of its own instead."""
+    profile, marker = planted
+    out = _remote_start("make", profile, str(tmp_path))
+    assert "connection file never arrived" in out.stderr, out.stderr[-2000:]
+    assert profile not in out.stderr  # it looked in its own profile, not the planted one
+    assert not os.path.exists(marker)  # the planted config never ran
+    assert os.listdir(tmp_path) == []  # its own folder (made in TMPDIR) is gone with it
+
+
+def test_what_makes_a_profile_folder_the_engines_own(tmp_path):
+    from infini_notebook.engine import remote_start
+
+    uid = os.geteuid()
+
+    def st(mode, owner=uid):
+        return os.stat_result((mode, 1, 1, 1, owner, 0, 0, 0, 0, 0))
+
+    assert remote_start.folder_problem(st(0o040700), uid) is None
+    assert "uid 65534" in remote_start.folder_problem(st(0o040700, 65534), uid)
+    assert "mode 755" in remote_start.folder_problem(st(0o040755), uid)
+    assert remote_start.folder_problem(st(0o040755), uid, private=False) is None
+    assert "link" in remote_start.folder_problem(st(0o120777), uid)
+    folder = tmp_path / "infini-notebook-x"
+    folder.mkdir(0o700)
+    os.environ[remote_start.FOLDER_ENV] = str(folder)
+    assert remote_start.remove_own_folder() and not folder.exists()
+    assert remote_start.FOLDER_ENV not in os.environ
+    assert not remote_start.remove_own_folder()  # none (local engines)
+    other = tmp_path / "someone-elses"
+    other.mkdir(0o700)
+    os.environ[remote_start.FOLDER_ENV] = str(other)
+    assert not remote_start.remove_own_folder() and other.exists()  # not named as a session's
+
+
+def test_ssh_hosts_and_the_folder_made_there():
+    from infini_notebook.launch.ssh import made_folder, split_host
+
+    assert split_host("alice@node1:2222") == ("alice@node1", "2222")
+    assert split_host("node1") == ("node1", None)
+    assert made_folder("Welcome!\n/tmp/infini-notebook-ab_12\n") == "/tmp/infini-notebook-ab_12"
+    assert made_folder("/tmp/other") is None and made_folder("") is None
 
 
 def test_remote_hosts_need_a_reachable_bind_address():
@@ -309,6 +475,3 @@ def test_remote_hosts_need_a_reachable_bind_address():
         make_plan(launcher="slurm")
     with pytest.raises(DistUsageError, match="HOST:SLOTS"):
         make_plan(launcher="ssh", hosts="node1:x", bind_address="10.0.0.1")
-
-
-del sys

@@ -139,7 +139,8 @@ def engine_pids() -> list[int]:
 def test_slurm_session_runs_collectives_and_stop_cancels_the_job(one_node_slurm):
     addr = reachable_address()
     assert addr, "this machine has no address besides loopback"
-    before = set(glob.glob(os.path.join(REPO, "slurm*")))
+    logs = os.path.join(REPO, ".infini-notebook-slurm-*")
+    before = set(glob.glob(os.path.join(REPO, "slurm*")) + glob.glob(logs))
     with fresh_kernel(timeout=240) as k:
         k.run(
             f"%dist_start --launcher slurm --nnodes 1 --nprocs 2 --partition debug "
@@ -157,6 +158,10 @@ def test_slurm_session_runs_collectives_and_stop_cancels_the_job(one_node_slurm)
         job_id = jobs[0].split()[0]
         assert f"[rank 0] 0 {job_id} 3.0" in out and f"[rank 1] 1 {job_id} 3.0" in out
         assert engine_pids(), "engines should run under slurmstepd"
+        # The job's log (every rank's raw output) is in a folder of the session's, 0700.
+        (log_folder,) = set(glob.glob(logs)) - before
+        assert os.stat(log_folder).st_mode & 0o777 == 0o700
+        assert [n for n in os.listdir(log_folder) if n.startswith("slurm-")]
         k.run("%dist_stop", timeout=120)
         assert slurm("squeue", "-h") == ""  # %dist_stop waits for the job to leave
         deadline = time.time() + 20
@@ -164,7 +169,7 @@ def test_slurm_session_runs_collectives_and_stop_cancels_the_job(one_node_slurm)
             time.sleep(0.3)
         assert engine_pids() == []
     # Neither the batch script nor the job's log is left in the notebook's folder.
-    assert set(glob.glob(os.path.join(REPO, "slurm*"))) == before
+    assert set(glob.glob(os.path.join(REPO, "slurm*")) + glob.glob(logs)) == before
 
 
 def test_a_job_slurm_refuses_or_never_starts_fails_at_once(one_node_slurm):
@@ -204,3 +209,21 @@ def test_what_a_waiting_job_reports():
         waiting_note("7", ("PENDING", "Resources")) == "engines up (Slurm job 7 pending: Resources)"
     )
     assert waiting_note("7", ("PENDING", "None")) == "engines up (Slurm job 7 pending)"
+
+
+def test_the_jobs_log_goes_in_a_private_folder_removed_with_the_session(tmp_path, monkeypatch):
+    """No Slurm needed: where the job's log goes, and that the session's end (its own or the
+    watchdog's) takes that folder with it."""
+    from infini_notebook.launch.slurm import SlurmEngines
+    from infini_notebook.launch.watchdog import remove_session_folder
+
+    session = tmp_path / "infini-notebook-s1"
+    (session / "profile").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # the notebook's folder
+    launcher = SlurmEngines(profile_dir=str(session / "profile"), cluster_id="c", work_dir=".")
+    folder = os.path.dirname(launcher.output_file)
+    assert os.path.dirname(folder) == str(tmp_path)
+    assert os.path.basename(folder).startswith(".infini-notebook-slurm-")
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    remove_session_folder(str(session))
+    assert not os.path.exists(folder) and not session.exists()

@@ -388,19 +388,28 @@ def pick_settings(session, start_line: str | None, parse_start: Callable) -> Set
 
 
 def check_path(path: str, force: bool) -> None:
-    """Refuse a folder, a missing folder, or an existing file without ``force``."""
+    """Refuse a folder, a missing folder, a link, or an existing file without ``force``."""
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.islink(path):  # one pointing at nothing too: os.path.exists says False
+        raise DistUsageError(
+            f"{path!r} is a symbolic link (to {os.readlink(path)!r}): %dist_export writes no "
+            "file through a link. Remove it, or give the file's own path."
+        )
     if os.path.isdir(path):
         raise DistUsageError(f"{path!r} is a folder: give a file name, like {path}/train.py.")
     if not os.path.isdir(folder):
         raise DistUsageError(f"Folder {folder!r} does not exist: create it or pick another path.")
-    if os.path.exists(path) and not force:
+    if os.path.lexists(path) and not force:
         raise DistUsageError(f"{path!r} exists: pass --force to overwrite it.")
 
 
-def write_script(path: str, text: str) -> None:
+def write_script(path: str, text: str, force: bool = False) -> None:
+    """Write the script: never through a link at ``path``, and a new file unless ``force``
+    (a file made there after check_path is not overwritten)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_TRUNC if force else os.O_EXCL
     try:
-        with open(path, "w") as f:
+        with os.fdopen(os.open(path, flags, 0o666), "w") as f:
             f.write(text)
     except OSError as e:
         raise DistUsageError(f"Cannot write {path!r}: {e.strerror}.") from None

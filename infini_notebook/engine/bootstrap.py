@@ -20,6 +20,7 @@ from . import (
     cell_names,
     output_streams,
     rank_services,
+    remote_start,
     shm_transport,
     stdin_relay,
     threads,
@@ -76,8 +77,7 @@ def bootstrap(cfg: dict) -> dict:
 
     ``cfg`` comes from the kernel (see ``launch.startup.engine_config``)."""
     cfg = dict(cfg, threads=threads.per_rank(cfg))
-    if cfg.get("remove_copy"):
-        remove_remote_copy(cfg["workdir"])
+    remote_start.remove_own_folder()  # an engine on another host: see remote_start
     _set_environment(cfg)
     rank_services.start(cfg)  # parent/store watcher, stack answerer
     remember_failures()
@@ -101,20 +101,6 @@ def bootstrap(cfg: dict) -> dict:
     rank_services.install_telemetry(cfg)
     init_distributed(cfg)
     return describe_rank(user_namespace()["device"])
-
-
-def remove_remote_copy(workdir: str) -> bool:
-    """mpiexec and Slurm engines on another host create the session's folder there (their
-    profile, logs only; they read nothing from it once registered). Remove it, unless it
-    is the kernel's own (this host, or a shared filesystem): that one has KERNEL_MARK."""
-    from ..launch.watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_session_folder
-
-    if not os.path.basename(workdir).startswith(FOLDER_PREFIX) or not os.path.isdir(workdir):
-        return False
-    if os.path.exists(os.path.join(workdir, KERNEL_MARK)):
-        return False
-    remove_session_folder(workdir)
-    return True
 
 
 def _keep_no_output_history() -> None:
@@ -422,21 +408,24 @@ def push_values(values: dict) -> None:
     user_namespace().update(values)
 
 
-def pull_shared(name: str, path: str) -> Any:
-    """``pull_value`` through the kernel's shared-memory file ``path`` (see shm_transport):
-    a ``Packed``, or the value itself where it cannot go that way."""
-    return shm_transport.pack_or_value(pull_value(name), path)
+def pull_shared(name: str, segment: shm_transport.Segment) -> Any:
+    """``pull_value`` through the kernel's shared-memory file ``segment`` (see
+    shm_transport): a ``Packed``, or the value itself where it cannot go that way."""
+    return shm_transport.pack_or_value(pull_value(name), segment)
 
 
-def push_shared(plain: dict, packed: shm_transport.Packed | None, path: str) -> bool:
+def push_shared(
+    plain: dict, packed: shm_transport.Packed | None, segment: shm_transport.Segment | None
+) -> bool:
     """``push_values`` of ``plain`` (as ipyparallel sends values) and of what ``packed`` holds
-    in the kernel's file ``path``. False, with nothing set, when this engine finds no such
-    file (it sees another /dev/shm): the kernel then sends the values the ordinary way."""
+    in the kernel's file ``segment``. False, with nothing set, when this engine does not find
+    that file (it sees another /dev/shm, or the kernel gave up on the push and removed it):
+    the kernel then sends the values the ordinary way, if it still waits."""
     values = dict(plain)
     if packed is not None:
         try:
-            values.update(shm_transport.unpack(packed, path))
-        except FileNotFoundError:
+            values.update(shm_transport.unpack(packed, segment))
+        except (FileNotFoundError, shm_transport.ForeignFile):
             return False
     push_values(values)
     return True

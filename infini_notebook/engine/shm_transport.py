@@ -5,8 +5,15 @@ any ``PickleBuffer``) go into one file in /dev/shm; only the small pickle, with 
 offset and size in the file (``Packed``), travels through ipyparallel. The reader maps the
 file copy-on-write (MAP_PRIVATE): tensors and arrays are built on the mapping without a copy,
 no rank sees another's writes, and the file can be unlinked as soon as it is mapped (the
-mapping stays valid). Files are named after the session's folder, so ``Session.stop`` and the
-watchdog remove a session's files, and only those (``watchdog.remove_shared_files``).
+mapping stays valid).
+
+Only the kernel makes files, in the session's own folder in /dev/shm (mode 0700, a fresh
+random name after the session folder's: ``make_dir``), and it records what each file is
+(``Segment``: device, inode, owner, mode). A rank opens a file without following a link and
+never creates one, and uses it only if it is still that file (``open_segment``): a rank whose
+call was still queued when the kernel gave up on a transfer and removed its files neither
+writes a pulled value into, nor reads pushed values from, a file someone made after. Once the
+session ends, ``remove_session_dirs`` removes its folder, and only that (the watchdog too).
 
 Used on both sides: importing it stays cheap and torch-free (see ``engine``).
 """
@@ -19,7 +26,10 @@ import mmap
 import os
 import pickle
 import secrets
+import shutil
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from types import FunctionType
 from typing import Any
@@ -46,18 +56,61 @@ class Packed:
         return self.spans[-1][0] + self.spans[-1][1] if self.spans else 0
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One transfer's file as the kernel made it: its path, and what the file there must be
+    when a rank opens it. Anything else at that path is another file, made after the kernel
+    removed its own."""
+
+    path: str
+    dev: int
+    ino: int
+    uid: int
+    mode: int
+
+
 class NoRoom(OSError):
     """/dev/shm has too little free space for this transfer: it takes the ordinary path."""
+
+
+class ForeignFile(OSError):
+    """The file at a segment's path is not the one the kernel made: it is left alone."""
 
 
 # ----- pure helpers ---------------------------------------------------------------------------
 
 
 def file_prefix(workdir: str, shm_dir: str = SHM_DIR) -> str:
-    """Where a session's files start: /dev/shm/<its folder's basename>. Every name after it
-    starts with "-", and a folder's basename has none after FOLDER_PREFIX (mkdtemp's random
-    part), so one session's files never match another's prefix."""
+    """Where the name of a session's folder in /dev/shm starts: /dev/shm/<its folder's
+    basename>, then "-". A folder's basename has no "-" after FOLDER_PREFIX (mkdtemp's random
+    part), so one session's prefix never matches another's folder."""
     return os.path.join(shm_dir, os.path.basename(os.path.normpath(workdir)))
+
+
+def segment_problem(st: os.stat_result, segment: Segment) -> str | None:
+    """Why the file with status ``st`` (fstat of what was opened at ``segment.path``) is
+    not the kernel's, or None when it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if (st.st_dev, st.st_ino) != (segment.dev, segment.ino):
+        return "is another file than the one the notebook made"
+    if st.st_uid != segment.uid:
+        return f"belongs to uid {st.st_uid}, not {segment.uid}"
+    if stat.S_IMODE(st.st_mode) != segment.mode:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}, not {segment.mode:o}"
+    return None
+
+
+def own_dir_problem(st: os.stat_result, uid: int) -> str | None:
+    """Why a folder with lstat ``st`` is not one this user made for a session (mode 0700),
+    or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != uid:
+        return f"belongs to uid {st.st_uid}"
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}"
+    return None
 
 
 def spans_for(sizes: list[int], align: int = ALIGN) -> tuple[tuple[int, int], ...]:
@@ -146,36 +199,49 @@ def _tensor(buffer, dtype, shape: tuple, requires_grad: bool, parameter: bool):
     return t.requires_grad_() if requires_grad else t
 
 
-def pack(value: Any, path: str, *, create: bool, min_bytes: int = MIN_BYTES) -> Packed:
-    """Pickle ``value``, its large buffers written into ``path`` (made here with ``create``,
-    else it must exist: the kernel makes a pull's files). No file is touched when nothing is
-    large. Raises what pickle raises, OSError (the file cannot be written) and NoRoom."""
+def pack(value: Any, segment: Segment, min_bytes: int = MIN_BYTES) -> Packed:
+    """Pickle ``value``, its large buffers written into ``segment`` (the kernel made it). No
+    file is touched when nothing is large. Raises what pickle raises, OSError (the file
+    cannot be written), ForeignFile and NoRoom."""
     out = io.BytesIO()
     pickler = _Pickler(out, min_bytes)
     pickler.dump(value)
     spans = spans_for([b.nbytes for b in pickler.buffers])
     packed = Packed(out.getvalue(), spans)
     if spans:
-        _write(path, pickler.buffers, spans, create)
+        _write(segment, pickler.buffers, spans)
     return packed
 
 
-def unpack(packed: Packed, path: str | None) -> Any:
-    """The value ``pack`` wrote, its buffers on a private mapping of ``path``."""
+def unpack(packed: Packed, segment: Segment | None) -> Any:
+    """The value ``pack`` wrote, its buffers on a private mapping of ``segment``."""
     if not packed.spans:
         return pickle.loads(packed.data)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < packed.size:  # reading past the end would SIGBUS
-            raise OSError(f"{path} is shorter than the {packed.size} bytes it should hold")
-        mapping = mmap.mmap(f.fileno(), packed.size, access=mmap.ACCESS_COPY)
+    fd = open_segment(segment, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < packed.size:  # reading past the end would SIGBUS
+            raise OSError(f"{segment.path} is shorter than the {packed.size} bytes it should hold")
+        mapping = mmap.mmap(fd, packed.size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
     view = memoryview(mapping)  # tensors and arrays keep the mapping alive
     return pickle.loads(packed.data, buffers=[view[o : o + n] for o, n in packed.spans])
 
 
-def _write(path: str, buffers: list[memoryview], spans, create: bool) -> None:
+def open_segment(segment: Segment, flags: int) -> int:
+    """A descriptor of the kernel's file ``segment``: never made here, no link followed, and
+    ForeignFile when what is at its path now is another file."""
+    fd = os.open(segment.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    problem = segment_problem(os.fstat(fd), segment)
+    if problem:
+        os.close(fd)
+        raise ForeignFile(f"{segment.path} {problem}: not used")
+    return fd
+
+
+def _write(segment: Segment, buffers: list[memoryview], spans) -> None:
     _check_room(spans[-1][0] + spans[-1][1])
-    flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = open_segment(segment, os.O_WRONLY)
     try:
         for raw, (offset, _) in zip(buffers, spans):
             _write_at(fd, raw, offset)
@@ -201,64 +267,104 @@ def _check_room(size: int) -> None:
 # ----- the kernel's and the engines' steps -------------------------------------------------
 
 
-def new_path(workdir: str, what: str) -> str:
-    """A fresh file name of this session for one transfer (``what``: push, pull)."""
-    return f"{file_prefix(workdir)}-{what}-{secrets.token_hex(8)}"
-
-
 def usable() -> bool:
     """Shared memory is on: /dev/shm exists and we may write there."""
     return enabled and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def pack_or_none(value: Any, path: str) -> Packed | None:
-    """``pack`` into a new file, or None when it cannot go that way (the caller then takes
-    ipyparallel's path, which raises its own error for a value nobody can pickle)."""
+def make_dir(workdir: str) -> str | None:
+    """A new folder for the session's files (its folder's name, "-", a random part; mode
+    0700, so nobody else can make a file there); None where /dev/shm cannot serve."""
+    if not usable():
+        return None
+    prefix = os.path.basename(file_prefix(workdir)) + "-"
     try:
-        return pack(value, path, create=True)
-    except Exception:
-        remove([path])
+        return tempfile.mkdtemp(prefix=prefix, dir=SHM_DIR)
+    except OSError:
         return None
 
 
-def pack_or_value(value: Any, path: str) -> Packed | Any:
+def new_segment(shm_dir: str, name: str) -> Segment:
+    """An empty file of the kernel's in the session's folder ``shm_dir``, and what it is."""
+    path = os.path.join(shm_dir, f"{name}-{secrets.token_hex(8)}")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return Segment(path, st.st_dev, st.st_ino, st.st_uid, stat.S_IMODE(st.st_mode))
+
+
+def make_segments(shm_dir: str | None, what: str, keys) -> dict:
+    """An empty file per key (``what``: push, pull), made here, so that an engine writes
+    only into a file the kernel made and still has; {} when none can be made (the ordinary
+    path for all)."""
+    segments = {}
+    if shm_dir is None:
+        return segments
+    try:
+        for key in keys:
+            segments[key] = new_segment(shm_dir, f"{what}-{key}")
+    except OSError:  # /dev/shm out of inodes, say
+        remove(segments.values())
+        return {}
+    except BaseException:
+        remove(segments.values())
+        raise
+    return segments
+
+
+def pack_or_none(value: Any, segment: Segment) -> Packed | None:
+    """``pack`` into the kernel's new file, or None when it cannot go that way (the caller
+    then takes ipyparallel's path, which raises its own error for a value nobody can
+    pickle)."""
+    try:
+        return pack(value, segment)
+    except Exception:
+        return None
+
+
+def pack_or_value(value: Any, segment: Segment) -> Packed | Any:
     """For a pull: ``pack`` into the kernel's file, or the value itself (ipyparallel's path)
-    when it is code, cannot be pickled here, finds no file (this engine sees another
-    /dev/shm) or no room."""
+    when it is code, cannot be pickled here, finds no file of the kernel's (this engine sees
+    another /dev/shm, or the kernel gave up and removed it) or no room."""
     if travels_as_code(value):
         return value
     try:
-        return pack(value, path, create=False)
+        return pack(value, segment)
     except Exception:
         return value
 
 
-def received(reply: Any, path: str | None) -> Any:
+def received(reply: Any, segment: Segment | None) -> Any:
     """A pulled value: unpacked from its file, or as ipyparallel brought it."""
-    return unpack(reply, path) if isinstance(reply, Packed) else reply
+    return unpack(reply, segment) if isinstance(reply, Packed) else reply
 
 
-def make_files(workdir: str, what: str, keys) -> dict:
-    """An empty file per key, made here, so that an engine writes only into a file that
-    exists: one made after the kernel gave up and removed it would be left behind."""
-    paths = {}
-    try:
-        for key in keys:
-            path = f"{new_path(workdir, what)}-{key}"
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            paths[key] = path
-    except OSError:  # /dev/shm out of inodes, say: the ordinary path for all
-        remove(paths.values())
-        return {}
-    except BaseException:
-        remove(paths.values())
-        raise
-    return paths
-
-
-def remove(paths) -> None:
-    for path in paths:
+def remove(segments) -> None:
+    """Remove files (Segments or paths)."""
+    for segment in segments:
         try:
-            os.unlink(path)
+            os.unlink(getattr(segment, "path", segment))
+        except OSError:
+            pass
+
+
+def clear_dir(shm_dir: str | None) -> None:
+    """Remove the files in the session's folder (it stays)."""
+    if shm_dir is not None and os.path.isdir(shm_dir):
+        remove(os.path.join(shm_dir, name) for name in os.listdir(shm_dir))
+
+
+def remove_session_dirs(workdir: str) -> None:
+    """The session's folders in /dev/shm, and nothing else: named after ``workdir``, folders
+    (not links) of this user's with mode 0700."""
+    import glob
+
+    for path in glob.glob(glob.escape(file_prefix(workdir)) + "-*"):
+        try:
+            if own_dir_problem(os.lstat(path), os.geteuid()) is None:
+                shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass

@@ -16,7 +16,7 @@ from ..core import timeline, trace_merge
 from ..core.errors import DistCellError, DistUsageError
 from ..core.ranks import rank_label
 from ..engine import profiling
-from . import execution, supervision
+from . import execution, private_files, supervision
 
 CLOCK_SAMPLES = 5
 DEFAULT_MAX_MB = 200.0
@@ -124,21 +124,20 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
     folder = out or os.path.join(
         "dist_profile", f"{name or 'cell'}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    os.makedirs(folder, exist_ok=True)
+    folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
     files = {}
     for r, g in sorted(got.items()):
         if "trace" in g:
-            files[r] = os.path.join(folder, f"rank{r}.json")
-            with open(files[r], "w") as f:
-                f.write(g["trace"])
+            files[r] = private_files.write_text(folder, f"rank{r}.json", g["trace"])
     rows = timeline.rank_rows(traces)
     ranks = pd.DataFrame(rows)
     collectives = pd.DataFrame(timeline.collective_rows(traces))
     coverage = timeline.coverage(traces, rows)
     hosts = {rs.rank: rs.host for rs in s.book.rows}
-    merged = os.path.join(folder, "merged.json")
-    with open(merged, "w") as f:  # dumps: C's encoder; dump streams through Python's (5x)
-        f.write(json.dumps(trace_merge.merged(traces, hosts)))
+    # dumps: C's encoder; dump streams through Python's (5x)
+    merged = private_files.write_text(
+        folder, "merged.json", json.dumps(trace_merge.merged(traces, hosts))
+    )
     result = ProfileResult(
         ranks=ranks,
         collectives=collectives,

@@ -1,7 +1,9 @@
 """Values between the notebook and the ranks (pull, push): through shared memory for ranks
 on this host (``shm_transport``), through ipyparallel's message stream for the others and
 wherever shared memory cannot serve. Plain functions taking the Session; the kernel makes
-and removes every file, so a failed or interrupted transfer leaves none."""
+and removes every file (in the session's 0700 folder in /dev/shm), so a failed or
+interrupted transfer leaves none, and a rank uses only a file the kernel made and still has
+(shm_transport.open_segment)."""
 
 from __future__ import annotations
 
@@ -15,27 +17,29 @@ from ..engine import bootstrap, shm_transport
 def shared_ranks(s, targets: list[int]) -> list[int]:
     """Of ``targets``, the ranks whose engine is a process of ours on this host (see
     engine_sets.own_process), when /dev/shm is there to use."""
-    if not shm_transport.usable():
+    if not shm_transport.enabled:
         return []
-    return [r for r in targets if s.engines.local(r) is not None]
+    local = [r for r in targets if s.engines.local(r) is not None]
+    return local if local and s.folder.shm_dir() is not None else []
 
 
 def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
     """``{rank: value}`` of ``name``. Each rank on this host writes its value's large buffers
     into a file made for it here; the value is rebuilt on a private mapping of that file,
     which is removed at once (the mapping stays)."""
-    paths = shm_transport.make_files(s.folder.path, "pull", shared_ranks(s, targets))
+    shared = shared_ranks(s, targets)
+    segments = shm_transport.make_segments(s.folder.shm_dir() if shared else None, "pull", shared)
     calls = {
-        r: (bootstrap.pull_shared, (name, paths[r]))
-        if r in paths
+        r: (bootstrap.pull_shared, (name, segments[r]))
+        if r in segments
         else (bootstrap.pull_value, (name,))
         for r in targets
     }
     try:
         replies = s.apply_each(calls, "pull_value", timeout=60)
-        return {r: shm_transport.received(replies[r], paths.get(r)) for r in targets}
+        return {r: shm_transport.received(replies[r], segments.get(r)) for r in targets}
     finally:
-        shm_transport.remove(paths.values())
+        shm_transport.remove(segments.values())
 
 
 def push(s, values: dict, targets: list[int]) -> None:
@@ -55,20 +59,20 @@ def _push(s, values: dict, targets: list[int]) -> None:
     shared = shared_ranks(s, targets)
     code = {k: v for k, v in values.items() if shm_transport.travels_as_code(v)}
     data = {k: v for k, v in values.items() if k not in code}
-    path = shm_transport.new_path(s.folder.path, "push")
+    segment = shm_transport.make_segments(s.folder.shm_dir() if shared else None, "push", [0])
     try:
-        packed = shm_transport.pack_or_none(data, path) if shared else None
+        packed = shm_transport.pack_or_none(data, segment[0]) if segment else None
         if packed is None:  # ipyparallel's path for all (and its error for an unpicklable value)
             shared = []
         calls = {
-            r: (bootstrap.push_shared, (code, packed, path))
+            r: (bootstrap.push_shared, (code, packed, segment[0]))
             if r in shared
             else (bootstrap.push_values, (values,))
             for r in targets
         }
         replies = s.apply_each(calls, "push_values", timeout=60)
     finally:
-        shm_transport.remove([path])
+        shm_transport.remove(segment.values())
     missed = [r for r in shared if replies[r] is False]  # they see another /dev/shm
     if missed:
         s.apply_each({r: (bootstrap.push_values, (values,)) for r in missed}, "push_values", 60)

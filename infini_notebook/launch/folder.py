@@ -6,7 +6,6 @@ those processes if the kernel dies. :class:`SessionFolder` is the only writer of
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,22 +13,21 @@ import time
 
 import psutil
 
+from ..engine import shm_transport
 from . import launchers
-from .watchdog import FOLDER_PREFIX, KERNEL_MARK, remove_shared_files
+from .watchdog import FOLDER_PREFIX, remove_session_folder, remove_shared_files
 
 
 class SessionFolder:
     """Made at once (or adopted from a template warmed ahead: see prewarm.py); removed by
-    ``remove`` with the shared-memory files named after it."""
+    ``remove`` with its folder in /dev/shm."""
 
     def __init__(self, warmed=None):
         self.path: str = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # No process of this session is older: the watchdog ends only those started after.
         self.created: float = warmed.created if warmed else time.time()
         self._watchdog: subprocess.Popen | None = warmed.watchdog if warmed else None
-        # Engines on another host find no such file in their copy of this folder (see
-        # engine.bootstrap.remove_remote_copy); on this host they do.
-        open(os.path.join(self.path, KERNEL_MARK), "w").close()
+        self._shm_dir: str | None = None  # made at the first transfer: see shm_dir
 
     @property
     def profile_dir(self) -> str:
@@ -39,6 +37,14 @@ class SessionFolder:
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def shm_dir(self) -> str | None:
+        """The session's folder in /dev/shm for pull and push (mode 0700: only the kernel
+        makes files there, see shm_transport), made at first use; None where /dev/shm
+        cannot serve."""
+        if self._shm_dir is None or not os.path.isdir(self._shm_dir):
+            self._shm_dir = shm_transport.make_dir(self.path)
+        return self._shm_dir
 
     def stack_file(self, rank: int, multi_host: bool) -> str | None:
         """Where a rank on this host dumps its stacks on STACK_SIGNAL (None: on another host)."""
@@ -59,12 +65,13 @@ class SessionFolder:
 
     # ----- the end ------------------------------------------------------------------------
     def remove_shared_files(self) -> None:
-        """/dev/shm files named after the folder: none is left but by a killed engine."""
-        remove_shared_files(self.path)
+        """The files in the session's folder in /dev/shm (the kernel removes each after its
+        transfer: this is for one it could not)."""
+        shm_transport.clear_dir(self._shm_dir)
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        remove_shared_files(self.path)
+        remove_session_folder(self.path)  # with the folders it noted elsewhere
+        remove_shared_files(self.path)  # and its folder in /dev/shm
 
 
 def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:

@@ -22,18 +22,22 @@ HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misse
 # ipyparallel's controller, announcing a new engine at its first heartbeat (see controller.py)
 CONTROLLER_CMD = ("-m", "infini_notebook.launch.controller")
 
-# Slurm: ipyparallel's launcher with sbatch's errors and the job's state (see slurm.py).
+# ssh: each host's engines in a new private folder there (see ssh.py). Slurm: ipyparallel's
+# launcher with sbatch's errors and the job's state (see slurm.py).
 LAUNCHER_CLASSES = {
     "local": "local",
-    "ssh": "ssh",
+    "ssh": "infini_notebook.launch.ssh.SSHEngines",
     "mpi": "mpi",
     "slurm": "infini_notebook.launch.slurm.SlurmEngines",
 }
 
-# The profile dir lives in this kernel's temporary directory, which other hosts do not have:
-# engines there create their own (logs only: the connection comes in IPP_CONNECTION_INFO).
-# ipyparallel's ssh launcher creates it remotely itself; mpiexec and srun start ipengine
-# directly. mpiexec hands other hosts only the variables named with -x.
+# Engines on other hosts never use the kernel's folder path there (anyone may make it first,
+# and ipengine runs the config it finds in its profile): they start through
+# engine/remote_start.py, in a new private folder of their own. mpiexec and srun engines make
+# it themselves ("make"; the connection comes in IPP_CONNECTION_INFO, and the profile is
+# created in it); ssh engines check the one ssh.py made on their host ("check").
+# mpiexec hands other hosts only the variables named with -x.
+REMOTE_START = ("-m", "infini_notebook.engine.remote_start")
 REMOTE_ENGINE_ARGS = ["--IPEngine.auto_create=True"]
 IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 
@@ -104,6 +108,7 @@ def engine_options(plan: SessionPlan, profile_dir: str = "") -> dict:
             "ssh_args": ssh_args,
             "scp_args": [a for a in ssh_args if a != "-T"],
             "remote_python": place.remote_python,
+            "engine_cmd": [place.remote_python, *REMOTE_START, "check"],
         }
     if place.launcher == "mpi":
         args = ["--host", ",".join(f"{h}:{n}" for h, n in place.hosts)]
@@ -111,11 +116,17 @@ def engine_options(plan: SessionPlan, profile_dir: str = "") -> dict:
             args.append("--allow-run-as-root")  # containers often run as root
         for key in [*env, *IPP_ENV]:
             args += ["-x", key]  # forward to ranks on every host
-        return {"environment": env, "mpi_args": args, "engine_args": list(REMOTE_ENGINE_ARGS)}
+        return {
+            "environment": env,
+            "mpi_args": args,
+            "engine_cmd": [sys.executable, *REMOTE_START, "make"],
+            "engine_args": list(REMOTE_ENGINE_ARGS),
+        }
     if place.launcher == "slurm":
         opts = {
             "environment": env,
             "batch_template": slurm_template(plan),
+            "engine_cmd": [sys.executable, *REMOTE_START, "make"],
             "engine_args": list(REMOTE_ENGINE_ARGS),
         }
         if profile_dir:  # sbatch reads the script here; else it lands in the notebook's folder

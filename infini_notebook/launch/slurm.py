@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 from traitlets import default
 
 from ..core.errors import DistUsageError
+from .watchdog import FOLDER_PREFIX, record_elsewhere
 
 # Pending reasons that no amount of waiting fixes by itself (an admin or a changed request
 # must): fail at once instead of waiting out the start timeout.
@@ -80,10 +82,20 @@ class SlurmEngines(SlurmEngineSetLauncher):
 
     @default("output_file")
     def _default_output_file(self):
-        # The job writes its log where the job runs: the submit folder, which (like the
-        # notebook's code) must be shared with the nodes; the kernel's temporary profile
-        # folder is not. ipyparallel removes it when the engines stop.
-        return os.path.abspath(f"slurm-{self.identifier}.out")
+        # The job writes its log (every rank's raw output) where the job runs: the submit
+        # folder, which (like the notebook's code) must be shared with the nodes; the
+        # kernel's temporary folder is not. So it goes in a new private folder there (mode
+        # 0700), which the session removes when it ends, and the watchdog if the kernel dies.
+        try:
+            folder = tempfile.mkdtemp(prefix=f".{FOLDER_PREFIX}slurm-", dir=os.getcwd())
+        except OSError as e:
+            raise DistUsageError(
+                f"The Slurm job writes its log in the notebook's folder {os.getcwd()}, and "
+                f"a folder cannot be made there ({e.strerror}): start the session from a "
+                "folder you can write that the nodes share."
+            ) from None
+        record_elsewhere(os.path.dirname(self.profile_dir), folder)
+        return os.path.join(folder, f"slurm-{self.identifier}.out")
 
     def _run_command(self, command, **kwargs):
         try:

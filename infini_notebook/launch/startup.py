@@ -1,7 +1,8 @@
 """Bringing the ranks up on their engines: each rank's bootstrap config, the bootstrap itself
 (its progress, and the first rank that failed with what it printed), the table of ranks it
-yields, and the session folders ssh engines leave on their hosts. Functions over the owners
-(plan, Engines, Rendezvous, SessionFolder); the Session records the table in its RankBook."""
+yields, and the folders a failed start of ssh engines leaves on their hosts. Functions over
+the owners (plan, Engines, Rendezvous, SessionFolder); the Session records the table in its
+RankBook."""
 
 from __future__ import annotations
 
@@ -52,9 +53,6 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),
         "stack_file": folder.stack_file(rank, plan.placement.multi_host),
-        "workdir": folder.path,
-        # ssh engines write their output there until stop: see remote_folder_removers
-        "remove_copy": plan.placement.launcher in ("mpi", "slurm"),
     }
 
 
@@ -150,9 +148,10 @@ def rank_table(plan: SessionPlan, engines: Engines, infos: dict[int, dict]) -> l
 
 
 def remote_folder_removers(engines: Engines) -> list:
-    """The ssh connections (one per host) of ssh engines, to remove the session's folder
-    that ipyparallel made on their hosts (profile, connection file, output), once it has
-    fetched their output at stop. Taken before the engines stop: their launchers go."""
+    """The ssh connections (one per host) of ssh engines, to remove the engines' folder on
+    their hosts (see ssh.py) once ipyparallel has fetched their output at stop: the engines
+    remove it themselves once their rank is set up, so only a failed start leaves one.
+    Taken before the engines stop: their launchers go."""
     senders = {}
     cluster = engines.client.cluster
     for engine_set in (cluster.engines if cluster else {}).values():
@@ -162,17 +161,18 @@ def remote_folder_removers(engines: Engines) -> list:
     return list(senders.values())
 
 
-def remove_remote_folders(folder: SessionFolder, launchers: list, timeout: float = 10) -> None:
-    """Remove the session's folder on each ssh host (see remote_folder_removers); only a
-    folder named as the session's, and not waiting more than ``timeout`` for a host."""
-    if not launchers or not os.path.basename(folder.path).startswith(FOLDER_PREFIX):
-        return
+def remove_remote_folders(launchers: list, timeout: float = 10) -> None:
+    """Remove the engines' folder on each ssh host (see remote_folder_removers); only a
+    folder named as a session's, and not waiting more than ``timeout`` for a host."""
 
     def remove(launcher) -> None:
+        folder = os.path.dirname(os.path.normpath(launcher.remote_profile_dir))
+        if not os.path.basename(folder).startswith(FOLDER_PREFIX):
+            return
         try:
-            launcher.ssh_sender.cmd_rmdir(os.path.dirname(launcher.remote_profile_dir))
+            launcher.ssh_sender.cmd_rmdir(folder)
         except Exception as e:
-            log.info("removing the session folder on %s: %s", launcher.location, e)
+            log.info("removing the engines' folder on %s: %s", launcher.location, e)
 
     threads = [threading.Thread(target=remove, args=(x,), daemon=True) for x in launchers]
     for t in threads:

@@ -7,12 +7,14 @@ launches every process of the session (controller, engines, their nannies) with
 is gone, the watchdog ends the processes that carry that mark and started after ``SINCE``,
 and nothing else. So it covers processes that appear while the session is still starting,
 and those a hard restart brings up, without being told about each. Then it removes the
-session's folder and its shared-memory files (``/dev/shm/<folder's name>-*``).
+session's folder, the folders it noted elsewhere (``record_elsewhere``: a Slurm job's log)
+and its folder in /dev/shm (``/dev/shm/<folder's name>-*``).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 
@@ -70,26 +72,50 @@ def end_all(procs: list[psutil.Process], grace: float = GRACE_S) -> None:
 
 
 FOLDER_PREFIX = "infini-notebook-"  # the session's folder (tempfile.mkdtemp's prefix)
-KERNEL_MARK = ".kernel"  # a file in the session's folder on the kernel's host
+ELSEWHERE = "elsewhere"  # in the session's folder: its folders outside it, a path per line
+
+
+def record_elsewhere(folder: str, path: str) -> None:
+    """Note a folder of the session's outside its own folder (a Slurm job's log, in the
+    notebook's folder), to be removed with it."""
+    with open(os.path.join(folder, ELSEWHERE), "a") as f:
+        f.write(path + "\n")
 
 
 def remove_session_folder(path: str) -> None:
-    """The session's own folder and nothing else: its name says it is one."""
+    """The session's own folder and those it noted elsewhere, nothing else: each must be
+    named as a session's (the ones elsewhere may start with a dot), and those elsewhere be
+    folders of this user's, not links."""
     import shutil
 
-    if os.path.basename(os.path.normpath(path)).startswith(FOLDER_PREFIX):
-        shutil.rmtree(path, ignore_errors=True)
+    if not os.path.basename(os.path.normpath(path)).startswith(FOLDER_PREFIX):
+        return
+    try:
+        with open(os.path.join(path, ELSEWHERE)) as f:
+            elsewhere = f.read().splitlines()
+    except OSError:
+        elsewhere = []
+    for other in elsewhere:
+        if os.path.basename(other).lstrip(".").startswith(FOLDER_PREFIX) and _own_folder(other):
+            shutil.rmtree(other, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _own_folder(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def remove_shared_files(folder: str) -> None:
-    """The session's shared-memory files (see shm_transport), named after its folder, which
+    """The session's folders in /dev/shm (see shm_transport), named after its folder, which
     must be named as a session's."""
-    import glob
-
-    from ..engine.shm_transport import file_prefix, remove
+    from ..engine.shm_transport import remove_session_dirs
 
     if os.path.basename(os.path.normpath(folder)).startswith(FOLDER_PREFIX):
-        remove(glob.glob(glob.escape(file_prefix(folder)) + "-*"))
+        remove_session_dirs(folder)
 
 
 def main(argv: list[str]) -> int:
