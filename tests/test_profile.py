@@ -196,6 +196,8 @@ def test_messages_pair_by_group_peer_and_order_and_only_the_cells_show(kernel, p
     for row in ranks.values():
         assert row["ops"] == row["matched"] == 1, row  # its message, seen on both ends
         assert_adds_up(row)
+    after = text_of(kernel.run(f"%%dist\n{code}\nprint('sent', rank)", allow_error=True))
+    assert all(f"[rank {r}] sent {r}" in after for r in range(4)), after  # send/recv restored
 
 
 def test_subgroups_stay_apart(kernel, profiled):
