@@ -373,18 +373,18 @@ def verdict(traces: list[RankTrace]) -> Verdict:
                 span = (m.start, min(m.end, last.start))
                 waits.setdefault(last.rank, {}).setdefault(m.rank, []).append(span)
     waited = {s: {p: intervals.length(w) / 1000 for p, w in ps.items()} for s, ps in waits.items()}
-    s = max(waited, key=lambda r: (sum(waited[r].values()), -r))
-    ops = [ms for ms in done.values() if any(m.rank == s for m in ms)]
-    last = sum(max(ms, key=lambda m: m.start).rank == s for ms in ops)
     wall = {t.rank: (window(t)[1] - window(t)[0]) / 1000 for t in traces}
-    share = {p: w / wall[p] if wall[p] > 0 else 0.0 for p, w in waited[s].items()}
-    if max(share.values()) < 0.01:
-        most = max(max(w.values()) for w in waited.values())
+    s = max(waited, key=lambda r: (sum(waited[r].values()), -r), default=None)
+    share = {p: w / wall[p] if wall[p] > 0 else 0.0 for p, w in waited.get(s, {}).items()}
+    if max(share.values(), default=0.0) < 0.01:
+        most = max((w for ps in waited.values() for w in ps.values()), default=0.0)
         return Verdict(
             f"The ranks arrived together at the "
             f"{_kind([ms[0].op for ms in done.values()]).removeprefix('1 ')}: "
             f"no rank waited more than {duration(most)}."
         )
+    ops = [ms for ms in done.values() if any(m.rank == s for m in ms)]
+    last = sum(max(ms, key=lambda m: m.start).rank == s for ms in ops)
     peers = sorted(waited[s])
     who = "the other ranks" if set(peers) | {s} == set(wall) else rank_label(peers)[1:-1]
     low, high = min(waited[s].values()), max(waited[s].values())
