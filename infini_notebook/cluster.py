@@ -381,9 +381,10 @@ class Session:
     ) -> cell_profile.ProfileResult:
         """Run ``code`` as ``run`` does, under torch.profiler on each rank; merge the
         traces into one timeline (a track per rank, one clock) in ``out`` (default
-        dist_profile/<cell>-<time>/) with each rank's own trace. Returns per-rank and
-        per-collective DataFrames and a figure. A failed cell raises DistCellError after
-        writing the traces; its ``profile`` attribute holds them (partial there)."""
+        dist_profile/In<N>-<time>/) with each rank's own trace. Returns the verdict (who
+        made the others wait, how long), per-rank and per-collective DataFrames and a
+        figure. A failed cell raises DistCellError after writing the traces; its
+        ``profile`` attribute holds them (partial there)."""
         targets = execution.resolve_targets(self, ranks, where)
         self.require_running()
         self.background.refuse("%%dist_profile")

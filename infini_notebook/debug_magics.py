@@ -78,10 +78,12 @@ class DebugMagics(Magics):
         """Run the cell as %%dist does, under torch.profiler on each rank (CPU, and CUDA on
         GPUs); then one timeline: the ranks' traces merged on one clock (store round trips,
         refined by the collectives' ends) into DIR/merged.json (Perfetto or
-        chrome://tracing: a track per rank), each rank's own trace beside it. Shows a row
-        per rank (compute, communication, waiting for the last peer, idle) and the
-        collectives that made the others wait most. DIR: --out, else
-        dist_profile/In[N]-<time>/. session.profile(code) returns the DataFrames.
+        chrome://tracing: a track per rank), each rank's own trace beside it. Shows first
+        who made the others wait and how long ("rank 2 arrived last in 3 of 3 all_reduces;
+        the other ranks waited 2.7 s each (90 % of the cell)"), then a row per rank
+        (compute, communication, waiting for the last peer, idle) and the collectives that
+        made the others wait most. DIR: --out, else dist_profile/In<N>-<time>/.
+        session.profile(code) returns the DataFrames and the verdict.
         """
         args = parse_argstring(self.dist_profile, line)
         result = _session().profile(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -408,3 +409,74 @@ def stop_tree(server: subprocess.Popen) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=10)
+
+
+# %%dist_profile as a user reads it (issue 40, items 1 and 7): rank 2 sleeps 0.3 s before each
+# of 3 all_reduces; then a profiled cell in which rank 1 fails.
+PROFILE_CELLS = [
+    "%load_ext infini_notebook",
+    "%dist_start --nprocs 4 --timeout 60",
+    "%%dist_profile\nimport time\nfor _ in range(3):\n    if rank == 2:\n"
+    "        time.sleep(0.3)\n    dist.all_reduce(torch.ones(10))",
+    "%%dist_profile\nx = torch.ones(1)\nif rank == 1:\n    raise ValueError('rank 1 bails out')\n"
+    "dist.all_reduce(x)",
+]
+
+
+def test_profile_in_jupyterlab(tmp_path):
+    """The verdict leads, in words checked against the sleeps; Perfetto is a link after a
+    good profile and after a failed one; the failed one's lines are not broken mid-word."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in PROFILE_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(nb, str(tmp_path / "profile.ipynb"))
+    with jupyter_lab(tmp_path) as url, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1000})
+            page.goto(f"{url}/lab/tree/profile.ipynb?reset&token={url.token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            wait_kernel_idle(page)
+            run_cells(page, 0, len(PROFILE_CELLS))
+            check_profile(page, tmp_path)
+        finally:
+            browser.close()
+
+
+def check_profile(page, shots) -> None:
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    good, failed = cells.nth(2), cells.nth(3)
+    verdict = good.locator(".infini-verdict")
+    verdict.wait_for(timeout=180_000)
+    found = re_verdict(verdict.inner_text())
+    assert found, verdict.inner_text()
+    wait_s = float(found["wait"]) / (1 if found["unit"] == "s" else 1000)
+    assert 3 * 0.24 <= wait_s <= 3 * 0.36, verdict.inner_text()  # 3 sleeps of 0.3 s +- 20 %
+    assert good.locator('.jp-OutputArea a[href="https://ui.perfetto.dev"]').count() == 1
+    assert "arrived last 3/3" in good.locator(".infini-figure svg").inner_html()
+    output = good.locator(".jp-OutputArea")
+    output.scroll_into_view_if_needed()
+    output.screenshot(path=str(shots / "profile.png"))
+    said = failed.locator(".jp-OutputArea-output pre", has_text="rank traces")
+    said.wait_for(timeout=180_000)
+    assert said.locator('a[href^="https://ui.perfetto.dev"]').count() == 1  # JupyterLab's link
+    lines, shown = said.evaluate(
+        "(pre) => [pre.innerText.trimEnd().split('\\n').length, Math.round("
+        "pre.getBoundingClientRect().height / parseFloat(getComputedStyle(pre).lineHeight))]"
+    )
+    assert shown == lines, (lines, shown, said.inner_text())  # no line broken by the browser
+    os.makedirs(OUT, exist_ok=True)
+    shutil.copy(shots / "profile.png", OUT)
+
+
+def re_verdict(text: str):
+    return re.fullmatch(
+        r"rank 2 arrived last in 3 of 3 all_reduces; the other ranks waited "
+        r"(?P<wait>[\d.]+) (?P<unit>s|ms) each \(\d+ % of the cell\)",
+        text.strip(),
+    )

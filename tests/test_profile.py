@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 
 import pytest
@@ -32,7 +33,8 @@ def profile_tables(kernel, code: str, out) -> dict:
         f"import json\n_p = dist_session.profile({code!r}, out={str(out)!r}, echo=False)\n"
         "print(json.dumps({'ranks': _p.ranks.to_dict('records'),"
         " 'collectives': _p.collectives.to_dict('records'), 'files': _p.files,"
-        " 'coverage': _p.coverage}, default=str))"
+        " 'coverage': _p.coverage, 'verdict': _p.verdict, 'straggler': _p.straggler},"
+        " default=str))"
     )
     text = text_of(kernel.run(run, timeout=240))
     return json.loads(text.replace("NaN", "null"))
@@ -79,6 +81,38 @@ def test_the_straggler_arrives_last_at_every_step_and_the_others_wait(profiled):
     for row in ranks.values():  # the cell's collectives only, each matched on every member
         assert row["ops"] == row["matched"] == STEPS, row
         assert_adds_up(row)
+
+
+VERDICT = re.compile(
+    r"rank 2 arrived last in 4 of 4 all_reduces; the other ranks waited "
+    r"(?P<wait>[\d.]+) (?P<unit>s|ms) each \((?P<share>\d+) % of the cell\)"
+)
+
+
+def test_the_verdict_names_the_straggler_and_the_wait_its_sleeps_caused(profiled):
+    """The one sentence a user reads first, checked against what rank 2 was made to do:
+    4 sleeps of 0.3 s, each before an all_reduce of the world group."""
+    tables, _ = profiled
+    found = VERDICT.fullmatch(tables["verdict"])
+    assert found, tables["verdict"]
+    wait_s = float(found["wait"]) / (1 if found["unit"] == "s" else 1000)
+    assert STEPS * 0.24 <= wait_s <= STEPS * 0.36, tables["verdict"]  # 0.3 s +- 20 %
+    others = [r for r in tables["ranks"] if r["rank"] != 2]
+    share = sum(r["wait_ms"] for r in others) / sum(r["wall_ms"] for r in others)
+    assert abs(int(found["share"]) - 100 * share) <= 2, (tables["verdict"], share)
+    assert tables["straggler"] == [2, STEPS, STEPS]
+
+
+def test_collectives_are_numbered_in_the_cell_and_ops_ranked_by_self_time(profiled):
+    """The session's start-up all_reduces took the world group's first numbers: the cell's
+    are 1-4 all the same; each rank's top ops carry their share of its compute time."""
+    tables, _ = profiled
+    world = sorted(c["n"] for c in tables["collectives"] if c["group"] == "world")
+    assert world == list(range(1, STEPS + 1)), tables["collectives"]
+    for row in tables["ranks"]:
+        shares = re.findall(r"(\S+) (\d+) %", row["top_ops"])
+        assert shares and sum(int(p) for _, p in shares) <= 101, row["top_ops"]
+        assert [int(p) for _, p in shares] == sorted((int(p) for _, p in shares), reverse=True)
 
 
 def test_the_merged_trace_has_a_track_per_rank_on_one_clock(profiled):
@@ -162,6 +196,8 @@ def test_messages_pair_by_group_peer_and_order_and_only_the_cells_show(kernel, p
     for row in ranks.values():
         assert row["ops"] == row["matched"] == 1, row  # its message, seen on both ends
         assert_adds_up(row)
+    after = text_of(kernel.run(f"%%dist\n{code}\nprint('sent', rank)", allow_error=True))
+    assert all(f"[rank {r}] sent {r}" in after for r in range(4)), after  # send/recv restored
 
 
 def test_subgroups_stay_apart(kernel, profiled):
@@ -175,8 +211,12 @@ def test_subgroups_stay_apart(kernel, profiled):
     )
     tables = profile_tables(kernel, code, out / "groups")
     rows = tables["collectives"]
-    assert len(rows) == 4 and all(c["ranks"] == 2 for c in rows), rows
-    assert len({c["group"] for c in rows}) == 4, rows  # four groups, none mixed
+    assert len(rows) == 4 and all(c["ranks"] == 2 and c["n"] == 1 for c in rows), rows
+    groups = {c["group"] for c in rows}  # four groups, none mixed, named as errors name them
+    assert groups == {"tp [ranks 0-1]", "tp [ranks 2-3]", "dp [ranks 0,2]", "dp [ranks 1,3]"}
+    assert tables["verdict"].startswith("rank 3 arrived last in 2 of 2 all_reduces; ranks 1-2"), (
+        tables["verdict"]
+    )
     ranks = by_rank(tables)
     assert 140 <= ranks[1]["wait_ms"] <= 280, ranks[1]  # dp {1,3}: for rank 3
     assert 140 <= ranks[2]["wait_ms"] <= 280, ranks[2]  # tp {2,3}: for rank 3
@@ -229,14 +269,29 @@ def test_a_running_torch_profiler_of_the_users_is_refused_and_left_running(kerne
         kernel.run("%%dist --ranks 1\n_mine.stop()")
 
 
-def test_the_magic_shows_the_cell_output_the_figure_and_where_the_files_are(kernel, profiled):
+def test_the_magic_shows_the_cell_output_the_verdict_the_figure_and_the_files(kernel, profiled):
+    """With no --out, the traces go to dist_profile/In<N>-<time>/: no brackets, so the
+    folder needs no quoting in a shell."""
     _, out = profiled
-    cell = kernel.run(f"%%dist_profile --out {out / 'magic'}\n{LOOP}", timeout=180)
+    here = out / "magic"
+    here.mkdir()
+    kernel.run(f"import os as _os\n_cwd = _os.getcwd()\n_os.chdir({str(here)!r})")
+    try:
+        cell = kernel.run(f"%%dist_profile\n{LOOP}", timeout=180)
+    finally:
+        kernel.run("_os.chdir(_cwd)")
     text = text_of(cell)
     assert all(f"[rank {r}] done {r}" in text for r in range(4))
-    html = "".join(o.get("data", {}).get("text/html", "") for o in cell.outputs)
-    assert "<svg" in html and "wait for the last peer" in html and "merged.json" in html
-    assert sorted(os.listdir(out / "magic")) == ["merged.json"] + [
+    (shown,) = [o["data"] for o in cell.outputs if "text/html" in o.get("data", {})]
+    assert VERDICT.fullmatch(shown["text/plain"].splitlines()[0]), shown["text/plain"][:300]
+    html = shown["text/html"]
+    assert html.startswith('<p class="infini-verdict"><b>rank 2 arrived last in 4 of 4')
+    assert "<svg" in html and "wait for the last peer" in html and "arrived last 4/4" in html
+    assert '<a href="https://ui.perfetto.dev"' in html
+    (folder,) = os.listdir(here / "dist_profile")
+    assert re.fullmatch(r"In\d+-\d{8}-\d{6}", folder), folder
+    assert f"dist_profile/{folder}/: merged.json" in html
+    assert sorted(os.listdir(here / "dist_profile" / folder)) == ["merged.json"] + [
         f"rank{r}.json" for r in range(4)
     ]
 
@@ -252,6 +307,18 @@ def test_a_failing_rank_still_yields_the_others_traces(kernel, profiled):
     )
     assert "partial [1] [0, 1, 2, 3]" in text_of(kernel.run(code, timeout=180))
     assert "[rank 3] 3" in text_of(kernel.run("%%dist\nprint(rank)"))
+    # the magic says where the traces are above the error, in lines that JupyterLab need
+    # not break (it breaks a long one anywhere, mid-word)
+    cell = kernel.run(
+        f"%%dist_profile --out {out / 'failed-magic'}\nx = torch.ones(1)\n"
+        "if rank == 1:\n    raise ValueError(1)\ndist.all_reduce(x)",
+        allow_error=True,
+        timeout=180,
+    )
+    said = text_of(cell, "stdout")
+    assert "partial (the cell failed) on" in " ".join(said.split()), said
+    assert "https://ui.perfetto.dev" in said and "Note: wait is measured" in said, said
+    assert max(len(line) for line in said.splitlines()) <= 100, said
 
 
 def test_a_trace_over_the_limit_is_refused_and_the_ranks_stop_profiling(kernel, profiled):

@@ -72,3 +72,14 @@ def test_gloo_entries_stay_scheduled_yet_are_not_pending_once_done():
     waiting["entries"][3].update(retired=False)
     waiting["pg_status"]["0"]["last_completed_collective"] = "3"
     assert recorder.oldest_wait(waiting)["seq"] == 4
+
+
+def test_a_group_is_named_alike_in_errors_and_in_the_profile():
+    """recorder.group_label names groups for the waits (errors) and the profile's rows."""
+    from infini_notebook.core import timeline
+
+    labels = {d: recorder.group_label(d) for d in ("default_pg", "inb_tp", "inb_cp_dp")}
+    assert labels == {"default_pg": "world", "inb_tp": "tp", "inb_cp_dp": "cp dp"}
+    assert recorder.group_label("inb_cpu_tp") == "tp (gloo twin)"
+    assert timeline._group_label("3", "inb_tp", [2, 3]) == "tp [ranks 2-3]"
+    assert timeline._group_label("0", "default_pg", [0, 1, 2, 3]) == "world"

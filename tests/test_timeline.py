@@ -79,7 +79,7 @@ def test_per_rank_accounting_adds_up_to_the_cell(traces):
     for row in rows.values():
         assert row["wall_ms"] == pytest.approx(3000, abs=0.1)
         assert row["compute_ms"] == pytest.approx(150, abs=0.1)
-        assert row["top_ops"] == "aten::mm"
+        assert row["top_ops"] == "aten::mm 100 %"
         assert (row["ops"], row["matched"]) == (3, 3)
         assert_adds_up(row)
 
@@ -112,6 +112,104 @@ def test_without_flight_recorder_entries_gloo_collectives_are_not_paired_by_name
         assert_adds_up(row)
     assert rows[0]["communication_ms"] == pytest.approx(3 * 350, abs=1)
     assert "0 of 3" in tl.coverage(out, rows)
+
+
+def test_the_verdict_names_the_straggler_its_count_and_the_others_wait(traces):
+    """Rank 2 is 300 ms late at each of 3 all_reduces in a 3 s cell: 900 ms each."""
+    v = tl.verdict(traces)
+    assert v.text == (
+        "rank 2 arrived last in 3 of 3 all_reduces; the other ranks waited 900 ms each "
+        "(30 % of the cell)"
+    )
+    assert (v.rank, v.last, v.of) == (2, 3, 3)
+
+
+def test_top_ops_are_the_ops_that_took_the_time_by_self_time():
+    """aten::ones (100 ms) spends 5 ms in aten::empty and 80 ms in aten::fill_: its own
+    time is 15 ms, and fill_ leads; aten::mul 40 ms."""
+    b = RankBuilder(0, 0.0, 0.0)
+    b.cell(0.0, 1_000_000)
+    b.cpu_op("aten::ones", 100_000, 100_000)
+    b.cpu_op("aten::empty", 100_000, 5_000)
+    b.cpu_op("aten::fill_", 110_000, 80_000)
+    b.cpu_op("aten::mul", 300_000, 40_000)
+    out = [b.trace()]
+    tl.align(out)
+    (row,) = tl.rank_rows(out)
+    assert row["top_ops"] == "aten::fill_ 57 %, aten::mul 29 %, aten::ones 11 %"
+    assert row["compute_ms"] == pytest.approx(140, abs=0.01)  # nested ops count once
+
+
+def test_collectives_are_numbered_from_1_within_the_cell():
+    """The session's own start-up collectives took the group's seq 1-40: the cell's
+    first is still number 1."""
+    out = [gloo_loop(r, 5, 2000) for r in range(4)]  # seq 41-45
+    tl.align(out)
+    assert [c["n"] for c in tl.collective_rows(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_straggler_in_one_subgroup_names_the_peer_that_waited():
+    """Rank 3 is 200 ms late at each of 2 all_reduces of its pair {1, 3}; the pair {0, 2}
+    arrives together: the verdict names rank 3 and its one peer, not the world."""
+    out = []
+    for r in range(4):
+        b = RankBuilder(r, 1e6 * r, 0.0)
+        b.cell(0.0, 1_000_000)
+        group = "6" if r in (1, 3) else "5"
+        for i in range(2):
+            t0 = i * 400_000
+            late = 200_000 if r == 3 else (1000 if r == 2 else 0)
+            end = t0 + (210_000 if group == "6" else 11_000)
+            b.gloo_collective("gloo:all_reduce", group, 7 + i, t0 + late, t0 + late, end,
+                              worker=7, desc="inb_dp")  # fmt: skip
+        out.append(b.trace())
+        out[-1].group_ranks = {"5": [0, 2], "6": [1, 3]}
+    tl.align(out)
+    v = tl.verdict(out)
+    assert v.text == (
+        "rank 3 arrived last in 2 of 2 all_reduces; rank 1 waited 400 ms for it (40 % of its cell)"
+    )
+    groups = {c["group"] for c in tl.collective_rows(out)}
+    assert groups == {"dp [ranks 0,2]", "dp [ranks 1,3]"}
+
+
+def test_the_verdict_says_up_to_when_the_others_waited_unlike_amounts():
+    """Rank 2 arrives at 500 ms, rank 0 at 0, rank 1 at 400 ms: rank 0 waited 500 ms,
+    rank 1 100 ms."""
+    out = []
+    for r, arrive in enumerate([0, 400_000, 500_000]):
+        b = RankBuilder(r, 1e6 * r, 0.0)
+        b.cell(0.0, 1_000_000)
+        b.gloo_collective("gloo:broadcast", "0", 3, arrive, arrive, 510_000, worker=7)
+        out.append(b.trace())
+    tl.align(out)
+    assert tl.verdict(out).text == (
+        "rank 2 arrived last in 1 of 1 broadcast; the other ranks waited for it, up to 500 ms "
+        "(rank 0: 50 % of its cell)"
+    )
+
+
+def test_the_verdict_when_no_one_waited_or_nothing_was_matched():
+    out = []
+    for r in range(2):
+        b = RankBuilder(r, 1e6 * r, 0.0)
+        b.cell(0.0, 1_000_000)
+        b.gloo_collective("gloo:all_reduce", "0", 1, 100_000 + 200 * r, 100_000 + 200 * r,
+                          110_000, worker=7)  # fmt: skip
+        out.append(b.trace())
+    tl.align(out)
+    assert tl.verdict(out).text == (
+        "The ranks arrived together at the all_reduce: no rank waited more than 0.2 ms."
+    )
+    assert tl.verdict(out).rank is None
+    for t in out:
+        t.collectives = []  # gloo's ops are not named without the recorder
+        t.cache.clear()
+    assert "no wait is measured" in tl.verdict(out).text
+    for t in out:
+        t.events = [e for e in t.events if not e.get("name", "").startswith("gloo:")]
+        t.cache.clear()
+    assert tl.verdict(out).text.startswith("No collective or message in this cell")
 
 
 # ------------------------------------------- more collectives than the recorder keeps
@@ -333,9 +431,9 @@ def test_nccl_point_to_point_and_batches_pair_by_group_peer_and_order():
     assert rows[3]["wait_ms"] == pytest.approx(2 * 50, abs=0.1)
     assert rows[2]["wait_ms"] == pytest.approx(0, abs=0.01)
     pairs = tl.collective_rows(out)
-    assert sorted((p["collective"], p["seq"], p["last_rank"]) for p in pairs) == [
-        ("nccl:send/recv 0->1", 0, 1), ("nccl:send/recv 0->1", 1, 1),
-        ("nccl:send/recv 2->3", 0, 2), ("nccl:send/recv 2->3", 1, 2),
+    assert sorted((p["collective"], p["n"], p["last_rank"]) for p in pairs) == [
+        ("nccl:send/recv 0->1", 1, 1), ("nccl:send/recv 0->1", 2, 1),
+        ("nccl:send/recv 2->3", 1, 2), ("nccl:send/recv 2->3", 2, 2),
     ]  # fmt: skip
 
 

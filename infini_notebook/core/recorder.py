@@ -62,6 +62,17 @@ def pending(dump: dict, collectives_only: bool = False) -> list[dict]:
     return sorted(found, key=lambda e: e.get("record_id", 0))
 
 
+def group_label(desc: str) -> str:
+    """A group as errors and the profile name it, from its description: 'world' (torch's
+    default group), the layout's kind ('tp', 'cp dp': the session makes its groups with
+    group_desc 'inb_<kind>'), its gloo twin; else the description itself."""
+    if desc == "default_pg":
+        return "world"
+    if desc.startswith("inb_cpu_"):
+        return f"{desc.removeprefix('inb_cpu_').replace('_', ' ')} (gloo twin)"
+    return desc.removeprefix("inb_").replace("_", " ")
+
+
 def describe(dump: dict, entry: dict) -> dict:
     """A wait as wait_probe reports it: op, group label, the group's global ranks, seq."""
     name, desc = (list(entry.get("process_group") or []) + ["", ""])[:2]
@@ -70,7 +81,7 @@ def describe(dump: dict, entry: dict) -> dict:
         ranks = json.loads(config.get("ranks", "[]"))
     except (TypeError, ValueError):
         ranks = []
-    label = "world" if desc == "default_pg" else desc.removeprefix("inb_").replace("_", " ")
+    label = group_label(desc)
     op = str(entry.get("profiling_name", "?")).split(":")[-1]
     seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
     return {

@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from . import clockfit, gloo_ops, intervals, nccl_ops
+from . import clockfit, gloo_ops, intervals, nccl_ops, recorder
 from . import kineto as k
 from .comm_ops import CommOp
 from .kineto import CELL_END, CELL_START, START_MARK, STOP_MARK  # noqa: F401 (re-exported)
@@ -186,7 +186,7 @@ def _group_label(name: str, desc: str, ranks: list[int] | None) -> str:
     """A group as the rows show it: its description (``world`` for the default group, the
     session's ``inb_tp`` as ``tp``) and, for a subgroup, its ranks ("tp [ranks 2-3]"):
     every tp group shares the description."""
-    label = "world" if desc == "default_pg" else (desc.removeprefix("inb_") or name)
+    label = recorder.group_label(desc) or name
     return f"{label} {rank_label(ranks)}" if ranks and label != "world" else label
 
 
@@ -210,30 +210,52 @@ def _last_arrival(p: _Placed, members, sizes) -> float | None:
 
 
 def _compute(t: RankTrace, lo: float, hi: float) -> tuple[list, dict[str, float]]:
-    """The rank's compute spans (kernel clock) and time per op name: a GPU rank's kernels
-    (NCCL's aside) and copies; a CPU rank's cell-thread ops (c10d's enqueues aside)."""
+    """The rank's compute spans (kernel clock) and self time per op name (µs: an op's time
+    less its children's, so that a parent does not count what its children did): a GPU
+    rank's kernels (NCCL's aside) and copies; a CPU rank's cell-thread ops (c10d's
+    enqueues aside)."""
     gpu = any(e.get("cat") == "kernel" for e in t.events)
     main = cell_thread(t)
     spans, per_name = [], {}
-    for e in t.events:
-        if not k.is_span(e):
-            continue
-        name = str(e.get("name", ""))
-        if gpu:
-            keep = e.get("cat") in k.GPU_WORK and not k.is_nccl_kernel(e)
-        else:
-            keep = (
-                e.get("cat") == "cpu_op"
-                and e.get("tid") == main
-                and name != k.PARAM_COMMS
-                and not name.startswith("c10d::")
-            )
-        if keep:
-            a = e["ts"] + t.shift_us
-            if a + e.get("dur", 0) > lo and a < hi:
-                spans.append((a, a + e.get("dur", 0)))
-                per_name[name] = per_name.get(name, 0.0) + e.get("dur", 0)
+    if gpu:
+        found = [e for e in t.events if e.get("cat") in k.GPU_WORK and not k.is_nccl_kernel(e)]
+        timed = [(e, e.get("dur", 0)) for e in found if k.is_span(e)]
+    else:
+        found = [e for e in t.events if e.get("cat") == "cpu_op" and e.get("tid") == main]
+        timed = [
+            (e, own)
+            for e, own in _self_times([e for e in found if k.is_span(e)])
+            if e.get("name") != k.PARAM_COMMS and not str(e.get("name", "")).startswith("c10d::")
+        ]
+    for e, own in timed:
+        a = e["ts"] + t.shift_us
+        if a + e.get("dur", 0) > lo and a < hi:
+            spans.append((a, a + e.get("dur", 0)))
+            name = str(e.get("name", ""))
+            per_name[name] = per_name.get(name, 0.0) + own
     return spans, per_name
+
+
+def _self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each of one thread's nested events with its self time: its duration less its
+    direct children's."""
+    order = sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0)))
+    own = [float(e.get("dur", 0)) for e in order]
+    stack: list[int] = []  # indexes of the open events, outermost first
+    for i, e in enumerate(order):
+        while stack and k.end(order[stack[-1]]) <= e["ts"]:
+            stack.pop()
+        if stack:
+            own[stack[-1]] -= e.get("dur", 0)
+        stack.append(i)
+    return [(e, max(0.0, o)) for e, o in zip(order, own)]
+
+
+def _top(per_name: dict[str, float], top: int) -> str:
+    """The ops that took the most self time, with their share of it: 'aten::mm 62 %'."""
+    total = sum(per_name.values())
+    best = sorted(per_name.items(), key=lambda x: -x[1])[:top]
+    return ", ".join(f"{_short(name)} {100 * v / total:.0f} %" for name, v in best if total)
 
 
 def _short(op: str, width: int = 48) -> str:
@@ -243,9 +265,10 @@ def _short(op: str, width: int = 48) -> str:
 
 
 def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
-    """Per rank: wall, compute, wait, communication, idle (ms; they add up to wall), its
-    top ops, how many collective/p2p ops it ran in the cell and of those how many were
-    matched on every member (wait is measured for those; None where none was)."""
+    """Per rank: wall, compute, wait, communication, idle (ms; they add up to wall), the
+    ops that took its compute time (self time, with their share), how many collective/p2p
+    ops it ran in the cell and of those how many were matched on every member (wait is
+    measured for those; None where none was)."""
     placed = _placed(traces)
     members = _members(placed)
     sizes = _sizes(traces)
@@ -272,16 +295,15 @@ def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
                 "idle_ms": parts[3] / 1000,
                 "ops": n,
                 "matched": matched,
-                "top_ops": ", ".join(
-                    _short(name) for name, _ in sorted(per_name.items(), key=lambda x: -x[1])[:top]
-                ),
+                "top_ops": _top(per_name, top),
             }
         )
     return rows
 
 
 def collective_rows(traces: list[RankTrace]) -> list[dict]:
-    """Per collective (or message) of the cells with every member seen: who arrived last,
+    """Per collective (or message) of the cell with every member seen: its number in the
+    cell (``n``, a group's collectives from 1, a pair's messages from 1), who arrived last,
     how far apart the arrivals were, the waiting it caused (the members' time from their
     arrival to the last one's, summed; collectives that overlap share that time), and how
     far apart the ends are on the one clock."""
@@ -290,12 +312,15 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
     sizes = _sizes(traces)
     group_ranks = _group_ranks(traces)
     zero = min((window(t)[0] + t.shift_us for t in traces), default=0.0)
+    first: dict[tuple, int] = {}  # a group's (a pair's) first number in the cell
+    for key in members:
+        first[key[:-1]] = min(first.get(key[:-1], key[-1]), key[-1])
     rows = []
     for key, ms in members.items():
         if not _complete(key, ms, sizes):
             continue
         last = max(ms, key=lambda m: m.start)
-        first = min(m.start for m in ms)
+        start = min(m.start for m in ms)
         ends = [m.end for m in ms]
         rows.append(
             {
@@ -305,16 +330,93 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
                     next((m.op.group for m in ms if m.op.group), ""),
                     group_ranks.get(key[1]),
                 ),
-                "seq": key[2] if key[0] == "c" else key[4],
+                "n": key[-1] - first[key[:-1]] + 1,
                 "ranks": len(ms),
                 "last_rank": last.rank,
-                "arrival_spread_ms": (last.start - first) / 1000,
+                "arrival_spread_ms": (last.start - start) / 1000,
                 "wait_caused_ms": sum(min(last.start, m.end) - m.start for m in ms) / 1000,
                 "end_spread_ms": (max(ends) - min(ends)) / 1000,
-                "at_ms": (first - zero) / 1000,
+                "at_ms": (start - zero) / 1000,
             }
         )
     return sorted(rows, key=lambda r: r["at_ms"])
+
+
+@dataclass
+class Verdict:
+    """The profile's answer in one sentence, and the rank it names (the figure marks it):
+    it arrived last at ``last`` of the ``of`` matched ops it took part in."""
+
+    text: str
+    rank: int | None = None
+    last: int = 0
+    of: int = 0
+
+
+def verdict(traces: list[RankTrace]) -> Verdict:
+    """Who made the others wait, and how long: the rank whose late arrivals cost its peers
+    the most waiting (each peer's wait for it a union of intervals, as in ``rank_rows``)."""
+    placed = _placed(traces)
+    sizes = _sizes(traces)
+    done = {k: ms for k, ms in _members(placed).items() if _complete(k, ms, sizes)}
+    if not done:
+        if not any(placed.values()):
+            return Verdict("No collective or message in this cell: no rank waited for another.")
+        return Verdict(
+            "No collective was seen on every member: no wait is measured (see the note)."
+        )
+    waits: dict[int, dict[int, list]] = {}  # last rank -> peer -> its waits for it
+    for ms in done.values():
+        last = max(ms, key=lambda m: m.start)
+        for m in ms:
+            if m.rank != last.rank:
+                span = (m.start, min(m.end, last.start))
+                waits.setdefault(last.rank, {}).setdefault(m.rank, []).append(span)
+    waited = {s: {p: intervals.length(w) / 1000 for p, w in ps.items()} for s, ps in waits.items()}
+    wall = {t.rank: (window(t)[1] - window(t)[0]) / 1000 for t in traces}
+    s = max(waited, key=lambda r: (sum(waited[r].values()), -r), default=None)
+    share = {p: w / wall[p] if wall[p] > 0 else 0.0 for p, w in waited.get(s, {}).items()}
+    if max(share.values(), default=0.0) < 0.01:
+        most = max((w for ps in waited.values() for w in ps.values()), default=0.0)
+        return Verdict(
+            f"The ranks arrived together at the "
+            f"{_kind([ms[0].op for ms in done.values()]).removeprefix('1 ')}: "
+            f"no rank waited more than {duration(most)}."
+        )
+    ops = [ms for ms in done.values() if any(m.rank == s for m in ms)]
+    last = sum(max(ms, key=lambda m: m.start).rank == s for ms in ops)
+    peers = sorted(waited[s])
+    who = "the other ranks" if set(peers) | {s} == set(wall) else rank_label(peers)[1:-1]
+    low, high = min(waited[s].values()), max(waited[s].values())
+    if len(peers) == 1:
+        how = f"{who} waited {duration(high)} for it ({share[peers[0]]:.0%} of its cell)"
+    elif low >= 0.8 * high:
+        mean, part = statistics.mean(waited[s].values()), statistics.mean(share.values())
+        how = f"{who} waited {duration(mean)} each ({part:.0%} of the cell)"
+    else:
+        p = max(peers, key=lambda r: waited[s][r])
+        how = f"{who} waited for it, up to {duration(high)} (rank {p}: {share[p]:.0%} of its cell)"
+    text = f"rank {s} arrived last in {last} of {_kind([ms[0].op for ms in ops])}; {how}"
+    return Verdict(text.replace("%", " %"), rank=s, last=last, of=len(ops))
+
+
+def _kind(ops: list[CommOp]) -> str:
+    """'3 all_reduces', '1 broadcast', '4 messages', '5 collectives'."""
+    names = {op.name.split(":", 1)[-1] for op in ops}
+    if all(op.p2p for op in ops):
+        what = "message"
+    elif any(op.p2p for op in ops):
+        what = "collectives and message"
+    else:
+        what = names.pop() if len(names) == 1 else "collective"
+    return f"{len(ops)} {what}{'s' if len(ops) != 1 else ''}"
+
+
+def duration(ms: float) -> str:
+    """'2.7 s', '45 ms', '0.3 ms'."""
+    if ms >= 1000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
 
 
 def _label(key: tuple, ms: list[_Placed]) -> str:

@@ -23,10 +23,13 @@ def arm() -> None:
         return
     _state["calls"] = []
     for method, op in _METHODS.items():
-        original = getattr(dist.ProcessGroup, method, None)
+        # The class's own entry (pybind11's instancemethod), not getattr's: that is the
+        # unbound builtin, which set back on the class is no method (self never passed).
+        original = vars(dist.ProcessGroup).get(method)
         if original is not None:
             _state["originals"][method] = original
-            setattr(dist.ProcessGroup, method, _noting(original, op, method == "recv_anysource"))
+            call = getattr(dist.ProcessGroup, method)
+            setattr(dist.ProcessGroup, method, _noting(call, op, method == "recv_anysource"))
 
 
 def take() -> list[dict]:

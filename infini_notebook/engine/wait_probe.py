@@ -99,10 +99,10 @@ def group_label(pg) -> str:
     if pg is None or pg == dist.group.WORLD:
         return "world"
     desc = getattr(pg, "group_desc", "") or ""
-    if desc.startswith("inb_cpu_"):
-        return f"{desc[len('inb_cpu_') :]} (gloo twin)"
     if desc.startswith("inb_"):
-        return desc[len("inb_") :].replace("_", " ")
+        from ..core.recorder import group_label as desc_label
+
+        return desc_label(desc)
     try:
         return f"the group of ranks {dist.get_process_group_ranks(pg)}"
     except Exception:

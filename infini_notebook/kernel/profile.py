@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,8 @@ DEFAULT_MAX_MB = 200.0
 
 @dataclass
 class ProfileResult:
-    """What ``session.profile`` returns: per-rank and per-collective DataFrames, the
+    """What ``session.profile`` returns: the verdict (who made the others wait, and how
+    long), per-rank and per-collective DataFrames (full precision; shown rounded), the
     figure, the files, and the ranks whose cell failed (their traces are partial)."""
 
     ranks: Any  # DataFrame: wall, compute, wait, communication, idle (ms), ops, top ops
@@ -35,15 +37,20 @@ class ProfileResult:
     partial: list[int] = field(default_factory=list)
     size_bytes: int = 0
     coverage: str = ""  # what the wait figures do not cover, in words
+    verdict: str = ""  # "rank 2 arrived last in 3 of 3 all_reduces; the other ranks ..."
+    straggler: tuple[int, int, int] | None = None  # (rank, arrived last at, of): the figure
 
     @functools.cached_property
     def figure(self):
         """The per-rank figure, drawn when first asked for (a draw costs 0.3-0.5 s)."""
         from ..viz.profile_plots import plot_breakdown
 
-        return plot_breakdown(self.ranks)
+        return plot_breakdown(self.ranks, self.straggler)
 
-    def summary(self) -> str:
+    def summary(self, wrapped: bool = True) -> str:
+        """Where the files are (and what the figures do not cover), wrapped between words
+        (JupyterLab would break a long line anywhere)."""
+        from ..viz.profile_render import files_line, wrap
         from ..viz.render import format_bytes
 
         part = (
@@ -52,31 +59,18 @@ class ProfileResult:
             else ""
         )
         covers = f"\nNote: {self.coverage}." if self.coverage else ""
-        return (
-            f"{len(self.files)} rank traces ({format_bytes(self.size_bytes)}) in {self.folder}/: "
-            "merged.json opens "
-            f"in https://ui.perfetto.dev or chrome://tracing, one track per rank{part}{covers}"
-        )
+        text = files_line(len(self.files), format_bytes(self.size_bytes), self.folder, part)
+        return wrap(text + covers) if wrapped else text + covers
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         from ..viz import figure_bundle
+        from ..viz.profile_render import profile_html, profile_text
 
         bundle = figure_bundle(self.figure)
-        tables = self.ranks.to_html(index=False) + _worst(self.collectives).to_html(index=False)
-        bundle["text/html"] += f"<p>{self.summary()}</p>{tables}"
-        bundle["text/plain"] = "\n".join(
-            [
-                self.summary(),
-                self.ranks.to_string(index=False),
-                _worst(self.collectives).to_string(index=False),
-            ]
-        )
+        shown = (self.verdict, self.ranks, self.collectives)
+        bundle["text/html"] = profile_html(*shown, bundle["text/html"], self.summary(wrapped=False))
+        bundle["text/plain"] = profile_text(*shown, self.summary())
         return bundle
-
-
-def _worst(df, n: int = 10):
-    """The collectives that cost the others the most waiting."""
-    return df.sort_values("wait_caused_ms", ascending=False).head(n) if len(df) else df
 
 
 def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: float, name: str):
@@ -121,9 +115,8 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         if "trace" in g
     ]
     timeline.align(traces)
-    folder = out or os.path.join(
-        "dist_profile", f"{name or 'cell'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    cell = re.sub(r"\W", "", name or "") or "cell"  # In4, not In[4]: no quoting in a shell
+    folder = out or os.path.join("dist_profile", f"{cell}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
     files = {}
     for r, g in sorted(got.items()):
@@ -133,6 +126,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
     ranks = pd.DataFrame(rows)
     collectives = pd.DataFrame(timeline.collective_rows(traces))
     coverage = timeline.coverage(traces, rows)
+    verdict = timeline.verdict(traces)
     hosts = {rs.rank: rs.host for rs in s.book.rows}
     # dumps: C's encoder; dump streams through Python's (5x)
     merged = private_files.write_text(
@@ -147,6 +141,8 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         partial=sorted(failure.ranks) if failure else [],
         size_bytes=sum(g.get("size", 0) for g in got.values()),
         coverage=coverage,
+        verdict=verdict.text,
+        straggler=(verdict.rank, verdict.last, verdict.of) if verdict.rank is not None else None,
     )
     if failure is not None:
         printer.out(f"{result.summary()}\n")  # where the traces are, above the error

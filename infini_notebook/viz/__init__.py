@@ -41,6 +41,7 @@ _EXPORTS = {
     ),
     "progress": ("OutputPrinter", "Progress", "in_kernel"),
     "profile_plots": ("plot_breakdown",),
+    "profile_render": ("profile_html", "profile_text"),
     "bench_plots": (
         "BenchView", "FIGURE_DPI", "METRICS", "bench_curves", "bench_summary", "bench_view",
         "figure_bundle", "figure_html", "figure_png", "figure_svg", "p2p_heatmap", "plot_busbw",

@@ -58,6 +58,14 @@ CELLS = [
     print("3 steps done")
     """),
     md("""
+    The first line is the answer: the rank that made the others wait, at how many of its
+    collectives it arrived last, and how long its peers waited for it (each, and as a share
+    of their cell). Here it is rank 3: each step it reached its dp group's first collective
+    late (the gradient all-reduce, or a broadcast DDP makes in the forward pass), and rank 1,
+    its dp peer, spent nearly all of its cell waiting for it. In the figure the ranks that
+    waited are red; the one that made them wait is mostly grey (its loader shows as idle),
+    so it carries the label "arrived last".
+
     The figure and the first table have a row per rank; its `wall_ms` is the rank's cell,
     from its first line to its end (its GPU work done, on GPUs), and it splits into four
     parts that add up to it, each counted once however many ops overlap:
@@ -71,7 +79,9 @@ CELLS = [
     * **idle**: everything else: Python between ops, sleeps, a data loader.
 
     Rank 3 is mostly idle (its loader); its dp peer, rank 1, waits about as long inside the
-    gradient all-reduce, and the ranks of the other dp group do not wait at all. `ops` and
+    gradient all-reduce, and the ranks of the other dp group do not wait at all. `top_ops`
+    are the ops that took the rank's compute time, by self time (an op less the ops it
+    called), with their share of it. `ops` and
     `matched` say how many collectives and messages the rank ran in the cell and how many
     were found on every member of their group (by group and sequence number, messages by
     peer and order): the wait is measured for those. When some cannot be matched (a rank
@@ -79,7 +89,10 @@ CELLS = [
     cannot place) their time counts as communication and the line under the figure says
     what the figures cover; a wait that could not be measured at all is left empty, never 0.
     The second table lists the collectives of this cell that cost the others the most
-    waiting, with the rank that arrived last: rank 3, every step.
+    waiting, with the rank that arrived last: rank 3, every step. `n` numbers a group's
+    collectives within the cell from 1 (the session's own start-up collectives do not
+    count), and the group is named as errors name it (`dp [ranks 1,3]`). The tables show
+    milliseconds to 0.1; the DataFrames behind them keep full precision.
 
     `merged.json` opens in [Perfetto](https://ui.perfetto.dev) (or `chrome://tracing`):
     one process track per rank, on one clock, each rank's threads named, so the wait is
@@ -90,6 +103,7 @@ CELLS = [
     code("""
     import os
     prof = dist_session.profile("for _ in range(3):\\n    step()", out=traces + "/api", echo=False)
+    print(prof.verdict)
     worst = prof.collectives.sort_values("wait_caused_ms", ascending=False)
     print("last to arrive:", sorted(set(worst.head(3)["last_rank"])))
     r = prof.ranks.set_index("rank")
