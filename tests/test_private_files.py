@@ -105,11 +105,11 @@ def test_a_profile_folder_another_user_made_first_is_not_used(kernel2, shared):
     number = int(name[3:-1]) + 1  # the next cell's
     now = time.time()
     stamps = {time.strftime("%Y%m%d-%H%M%S", time.localtime(now + i)) for i in range(60)}
-    leaves = [f"In[{number}]-{s}" for s in sorted(stamps)]
+    leaves = [f"In{number}-{s}" for s in sorted(stamps)]
     assert as_other(_plant, work, leaves, target) == "planted"
     try:
         shown = text_of(k.run("%%dist_profile\nx = 1", timeout=180))
-        assert f"In[{number}]" in shown, shown  # the cell's name was the one foreseen
+        assert f"In{number}-" in shown, shown  # the cell's name was the one foreseen
     finally:
         k.run(f"os.chdir({os.getcwd()!r})")
     assert open(target).read() == "mine\n"
@@ -120,7 +120,7 @@ def test_a_profile_folder_another_user_made_first_is_not_used(kernel2, shared):
         assert all(os.path.islink(os.path.join(theirs, leaf, n)) for n in inside)
     (ours,) = [n for n in os.listdir(work) if n != "dist_profile"]
     assert (
-        ours.startswith(f"dist_profile-In[{number}]-") and mode(os.path.join(work, ours)) == 0o700
+        ours.startswith(f"dist_profile-In{number}-") and mode(os.path.join(work, ours)) == 0o700
     )
     files = os.listdir(os.path.join(work, ours))
     assert sorted(files) == ["merged.json", "rank0.json", "rank1.json"]
