@@ -36,10 +36,12 @@ def current():
 def load_ipython_extension(ipython) -> None:
     from .core.export import record_outcome
     from .debug_magics import DebugMagics
+    from .keep_magics import KeepMagics
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(DebugMagics)
+    ipython.register_magics(KeepMagics)
     if current() is None:
         from .launch.prewarm import warm
 

@@ -26,7 +26,10 @@ class SessionFolder:
         self.path: str = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # No process of this session is older: the watchdog ends only those started after.
         self.created: float = warmed.created if warmed else time.time()
-        self._watchdog: subprocess.Popen | None = warmed.watchdog if warmed else None
+        # a Popen of ours, or (a kept session attached) the watchdog as psutil sees it
+        self._watchdog: subprocess.Popen | psutil.Process | None = (
+            warmed.watchdog if warmed else None
+        )
         # Engines on another host find no such file in their copy of this folder (see
         # engine.bootstrap.remove_remote_copy); on this host they do.
         open(os.path.join(self.path, KERNEL_MARK), "w").close()
@@ -48,9 +51,14 @@ class SessionFolder:
     def arm_watchdog(self) -> None:
         """A small process that ends ours if this kernel dies, even by SIGKILL. Armed before
         anything else starts, so a kernel killed while engines come up leaves nothing."""
-        if self._watchdog is not None and self._watchdog.poll() is None:
+        if self._watchdog is not None and _running(self._watchdog):
             return  # a hard restart keeps the session's watchdog (an adopted one too)
         self._watchdog = spawn_watchdog(self.profile_dir, self.created)
+
+    def guard(self) -> psutil.Process:
+        """The process a kept session's ranks and store host watch: its watchdog, which
+        outlives the kernel (see keep.py)."""
+        return psutil.Process(self._watchdog.pid)
 
     def disarm_watchdog(self) -> None:
         if self._watchdog is not None:
@@ -85,8 +93,20 @@ def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:
     )
 
 
-def stop_watchdog(watchdog: subprocess.Popen) -> None:
-    """End a watchdog that is no longer needed."""
-    if watchdog.poll() is None:
-        watchdog.terminate()
-        watchdog.wait(5)
+def _running(watchdog) -> bool:
+    if isinstance(watchdog, subprocess.Popen):
+        return watchdog.poll() is None
+    try:
+        return watchdog.is_running() and watchdog.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_watchdog(watchdog) -> None:
+    """End a watchdog that is no longer needed (a Popen, or a kept session's psutil.Process)."""
+    if _running(watchdog):
+        try:
+            watchdog.terminate()
+            watchdog.wait(5)
+        except (psutil.Error, subprocess.TimeoutExpired):
+            pass
