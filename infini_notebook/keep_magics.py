@@ -14,7 +14,7 @@ from .launch import keep
 @magics_class
 class KeepMagics(Magics):
     @magic_arguments()
-    @argument("name", help="the kept session's name (%dist_start --name NAME --keep 30m)")
+    @argument("name", help="the kept session's name (%%dist_start --name NAME --keep 30m)")
     @argument(
         "--force",
         action="store_true",

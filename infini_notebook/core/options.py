@@ -75,10 +75,10 @@ class StartOptions:
         "restart only has to set them up)",
     )
 
-    name: str | None = _opt(help="the session's name, for %dist_attach NAME (with --keep)")
+    name: str | None = _opt(help="the session's name, for %%dist_attach NAME (with --keep)")
     keep: str | None = _opt(
         help="keep the session when the kernel dies or restarts: its ranks wait this long "
-        "(90s, 10m, 2h) for a kernel to %dist_attach NAME, then end (with --name)",
+        "(90s, 10m, 2h) for a kernel to %%dist_attach NAME, then end (with --name)",
     )
 
     @classmethod

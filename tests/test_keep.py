@@ -1,0 +1,124 @@
+"""Kept sessions (issue 42): a session started with --name NAME --keep DURATION outlives its
+kernel (Jupyter's restart, a SIGKILL), a new kernel of the same user attaches it with its
+variables and groups, one kernel drives it at a time, and one nobody attaches ends itself
+completely. Real kernels through jupyter_client, as conftest.py starts them."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import fresh_kernel, text_of
+from jupyter_core.utils import run_sync
+
+from infini_notebook.launch.watchdog import MARK
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def session_processes(folder: str) -> list[psutil.Process]:
+    """Every process of the session in ``folder``: marked ones, and its watchdog."""
+    profile = os.path.join(folder, "profile")
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_until_gone(folder: str, timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := session_processes(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def folder_of(cells) -> str:
+    return text_of(cells.run("print(dist_session.folder.path)")).strip()
+
+
+def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
+    name = f"kt-{secrets.token_hex(3)}"
+    with fresh_kernel() as first, fresh_kernel() as second:
+        first.run(f"%dist_start --nprocs 2 --tp 2 --name {name} --keep 2m", timeout=180)
+        first.run("%%dist\nx = rank * 10 + 1")
+        folder = folder_of(first)
+        before = {p.pid for p in session_processes(folder)}
+        assert len(before) >= 5  # watchdog, store host, template, controller, 2 engines
+
+        # Jupyter's restart signals the kernel's whole process group: nothing kept dies
+        old_kernel = first.kernel_pid
+        run_sync(first.client.km.restart_kernel)(now=True)
+        run_sync(first.client.kc.wait_for_ready)(timeout=60)
+        assert not psutil.pid_exists(old_kernel) or old_kernel != first.kernel_pid
+        assert {p.pid for p in session_processes(folder)} == before
+        first.run("%load_ext infini_notebook")
+        said = text_of(first.run(f"%dist_attach {name}"))
+        assert f"Attached session {name!r}: 2 ranks (gloo)" in said and "was detached" in said
+        out = text_of(
+            first.run(
+                "%%dist\nt = torch.ones(1) * x\ndist.all_reduce(t, group=groups.tp)\n"
+                "print('x', x, 'sum', t.item())"
+            )
+        )
+        assert "[rank 0] x 1 sum 12.0" in out and "[rank 1] x 11 sum 12.0" in out, out
+        status = text_of(first.run("%dist_status"))
+        assert "rank 1" in status or "[rank 1]" in status or "1" in status
+
+        # a second kernel is refused while the first lives, in one line naming it
+        taken = text_of(
+            second.run(f"%dist_start --nprocs 2 --name {name} --keep 1m", allow_error=True)
+        )
+        assert f"A kept session named {name!r} runs already" in taken
+        refused = text_of(second.run(f"%dist_attach {name}", allow_error=True))
+        assert f"live kernel pid {first.kernel_pid}" in refused and "--force" in refused
+        assert "Traceback" not in refused
+        listed = text_of(second.run("%dist_sessions"))
+        assert name in listed and f"kernel pid {first.kernel_pid}" in listed
+        said = text_of(second.run(f"%dist_attach {name} --force"))
+        assert f"taken over from kernel pid {first.kernel_pid}" in said
+        assert "[rank 1] 11" in text_of(second.run("%%dist\nprint(x)"))
+        lost = text_of(first.run("%%dist\nprint(x)", allow_error=True))
+        assert "no longer drives session" in lost and f"kernel pid {second.kernel_pid}" in lost
+
+        # SIGKILL of the driving kernel: the first one attaches again, without --force
+        killed = psutil.Process(second.kernel_pid)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        said = text_of(first.run(f"%dist_attach {name}"))
+        assert "was detached" in said
+        assert "[rank 0] 1" in text_of(first.run("%%dist\nprint(x)"))
+
+        first.run("%dist_stop")
+        assert wait_until_gone(folder, 15) == []
+        assert not os.path.exists(folder)
+
+
+def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
+    name = f"kt-{secrets.token_hex(3)}"
+    with fresh_kernel() as cells:
+        out = text_of(cells.run(f"%dist_attach {name}", allow_error=True))
+        assert f"No kept session is named {name!r}" in out and "Traceback" not in out
+        out = text_of(cells.run("%dist_start --nprocs 2 --keep 10m", allow_error=True))
+        assert "--keep and --name go together" in out
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 5s", timeout=180)
+        folder = folder_of(cells)
+        cells.run("%dist_stop")  # ended here: started again, then the kernel is killed
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 5s", timeout=180)
+        folder = folder_of(cells)
+        kernel = psutil.Process(cells.kernel_pid)
+        t0 = time.monotonic()
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait(10)
+        assert wait_until_gone(folder, 40) == []
+        assert time.monotonic() - t0 > 4  # it waited its keep time for a kernel
+        assert not os.path.exists(folder)
