@@ -79,18 +79,23 @@ def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:
     """``python -m infini_notebook.launch.watchdog`` for the processes marked ``profile_dir``
     started after ``since`` (see watchdog.py)."""
     kernel = psutil.Process()
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "infini_notebook.launch.watchdog",
-            f"{kernel.pid}:{kernel.create_time()}",
-            profile_dir,
-            repr(since),
-        ],
-        start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
-        stdin=subprocess.DEVNULL,
-    )
+    # Not the kernel's stdout and stderr: a kept session's watchdog outlives the kernel,
+    # and whoever reads the kernel's pipes would wait for it to close them.
+    with open(os.path.join(os.path.dirname(profile_dir), "watchdog.log"), "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "infini_notebook.launch.watchdog",
+                f"{kernel.pid}:{kernel.create_time()}",
+                profile_dir,
+                repr(since),
+            ],
+            start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
 
 
 def _running(watchdog) -> bool:
