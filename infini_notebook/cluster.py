@@ -297,9 +297,9 @@ class Session:
         return self.background.start(self, code, ranks, printer=printer, **kw)
 
     def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
-        """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
-        and nothing else. Returns the ranks signalled."""
-        return self.background.interrupt(self, ranks)
+        """SIGINT the background cell's ranks that still run it (of ``ranks``), or a cell
+        an earlier kernel left running (see attach.py). Returns the ranks signalled."""
+        return self.background.interrupt(self, ranks) or attach_kept.interrupt_left(self, ranks)
 
     def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
         """Every thread's Python stack on each rank (the cell's thread as 'Current thread');

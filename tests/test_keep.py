@@ -90,13 +90,21 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         lost = text_of(first.run("%%dist\nprint(x)", allow_error=True))
         assert "no longer drives session" in lost and f"kernel pid {second.kernel_pid}" in lost
 
-        # SIGKILL of the driving kernel: the first one attaches again, without --force
+        # SIGKILL of the driving kernel while a cell runs: the cell goes on, the first
+        # kernel attaches again (no --force), sees it, its stacks, and interrupts it
+        second.run("%%dist --background\nimport time\nfor i in range(600):\n    time.sleep(0.1)")
         killed = psutil.Process(second.kernel_pid)
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         said = text_of(first.run(f"%dist_attach {name}"))
-        assert "was detached" in said
-        assert "[rank 0] 1" in text_of(first.run("%%dist\nprint(x)"))
+        assert "was detached" in said and "still runs on ranks 0-1" in said, said
+        assert "line 3 in <module>" in text_of(first.run("%dist_stacks"))  # the sleep
+        assert "stuck" in text_of(first.run("%dist_status"))
+        assert "Interrupted ranks [0, 1]" in text_of(first.run("%dist_interrupt"))
+        deadline = time.monotonic() + 30
+        while "[rank 0] 1" not in (out := text_of(first.run("%%dist\nprint(x)", allow_error=True))):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
 
         first.run("%dist_stop")
         assert wait_until_gone(folder, 15) == []

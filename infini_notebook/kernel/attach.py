@@ -39,7 +39,22 @@ def take_over(s, force: bool = False) -> str:
         s.engines.client.close()
         raise
     running = {r: i["cell"] for r, i in infos.items() if i.get("cell")}
+    s.book.add_stuck(running)  # until their engines' queues drain (see supervision)
     return attach_line(s, took, sorted(set(range(s.world_size)) - set(infos)), running)
+
+
+def interrupt_left(s, ranks=None) -> list[int]:
+    """SIGINT the ranks (of ``ranks``) that still run a cell a kernel before this one sent
+    (see take_over); the ranks signalled."""
+    import signal
+
+    from ..core.ranks import parse_ranks
+    from . import supervision
+
+    chosen = set(parse_ranks(ranks, s.world_size)) if ranks is not None else None
+    targets = sorted(r for r in supervision.still_stuck(s) if chosen is None or r in chosen)
+    supervision.send_signal(s, signal.SIGINT, targets)
+    return targets
 
 
 def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
