@@ -55,3 +55,11 @@ class KeepMagics(Magics):
         else:
             print(frame.to_string(index=False))
         return None
+
+
+def record_cell(result) -> None:
+    """IPython's post_run_cell: a cell run while this kernel drives a kept session goes into
+    the session's history, so %dist_export works from any kernel that attaches it."""
+    session = cluster.current()
+    if session is not None and session.keeper.keeps:
+        session.keeper.record_cell(result.info.raw_cell or "", bool(result.success))

@@ -382,7 +382,11 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_export, line)
         path = os.path.expanduser(_unquote(args.path))
         export.check_path(path, args.force)
-        history = export.history(self.shell.history_manager.input_hist_raw)
+        kept = cluster.current()  # a kept session: the cells of every kernel that drove it
+        if kept is not None and kept.keeper.keeps:
+            history = kept.keeper.history()
+        else:
+            history = export.history(self.shell.history_manager.input_hist_raw)
         cells, start_line = export.last_session(history)
         settings = export.pick_settings(
             cluster.current(), start_line, lambda flags: parse_argstring(self.dist_start, flags)

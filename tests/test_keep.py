@@ -106,6 +106,12 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
             assert time.monotonic() < deadline, out
             time.sleep(0.2)
 
+        # %dist_export has the cells of every kernel that drove it, before the restart too
+        script = os.path.join(folder, "exported.py")
+        first.run(f"%dist_export {script}")
+        text = open(script).read()
+        assert "x = rank * 10 + 1" in text and "dist.all_reduce(t, group=groups.tp)" in text
+
         first.run("%dist_stop")
         assert wait_until_gone(folder, 15) == []
         assert not os.path.exists(folder)

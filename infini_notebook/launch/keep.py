@@ -48,6 +48,7 @@ from .watchdog import (
 CONNECTION = "keep.json"
 PLAN = "plan.pickle"
 RANKS = "ranks.json"
+HISTORY = "history.jsonl"  # the cells every driving kernel ran (see record_cell)
 STORE_READY_S = 120.0  # the store host's ``import torch`` on a loaded machine
 
 
@@ -201,6 +202,26 @@ class Keeper:
                 f"{when}. Attach again with %dist_attach {self.name} --force."
             )
         return False
+
+    # ----- the cells run so far (for %dist_export from any kernel that drove it) -------------
+    def record_cell(self, source: str, ok: bool) -> None:
+        """Append a cell this kernel ran while it drove the session."""
+        if self.keeps and source.strip() and self._lost is None:
+            line = json.dumps({"source": source, "ok": ok}) + "\n"
+            fd = os.open(self.folder.file(HISTORY), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    def history(self) -> list:
+        """Every cell the kernels that drove the session ran, in order, numbered from 1."""
+        from ..core.export import HistoryCell
+
+        try:
+            with open(self.folder.file(HISTORY), encoding="utf-8") as f:
+                cells = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            cells = []
+        return [HistoryCell(n, c["source"], c["ok"]) for n, c in enumerate(cells, 1)]
 
     @property
     def lost(self) -> str | None:
