@@ -124,9 +124,24 @@ def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
         assert f"No kept session is named {name!r}" in out and "Traceback" not in out
         out = text_of(cells.run("%dist_start --nprocs 2 --keep 10m", allow_error=True))
         assert "--keep and --name go together" in out
-        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 5s", timeout=180)
+        # a rank that died while detached shows as died; a hard restart brings it back
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 1m", timeout=180)
         folder = folder_of(cells)
-        cells.run("%dist_stop")  # ended here: started again, then the kernel is killed
+        rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
+        run_sync(cells.client.km.restart_kernel)(now=True)
+        run_sync(cells.client.kc.wait_for_ready)(timeout=60)
+        psutil.Process(rank1).kill()
+        cells.run("%load_ext infini_notebook")
+        said = text_of(cells.run(f"%dist_attach {name}"))
+        assert "rank 1 died while detached" in said, said
+        assert "died" in text_of(cells.run("%dist_status"))
+        cells.run("%dist_restart --hard", timeout=180)
+        out = text_of(cells.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+        assert "[rank 1] 2.0" in out, out
+        cells.run("%dist_stop")
+        assert wait_until_gone(folder, 15) == []
+
+        # nobody attaches within its keep time: it ends itself, completely
         cells.run(f"%dist_start --nprocs 2 --name {name} --keep 5s", timeout=180)
         folder = folder_of(cells)
         kernel = psutil.Process(cells.kernel_pid)
