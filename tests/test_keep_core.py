@@ -41,3 +41,48 @@ def test_the_lease_holds_while_driven_or_within_its_keep_time():
     assert lease_verdict(kept, False, 1000, 1060) == "end"
     assert lease_verdict(dict(kept, end=True), True, None, 1000) == "end"
     assert lease_verdict({}, False, 1000, 1000) == "end"  # an ordinary session's kernel died
+
+
+def _fake_session(tmp_path, monkeypatch, name: str, watchdog: list, mode: int = 0o700):
+    """A session folder as launch/keep.py writes it, in a temporary directory of its own."""
+    import json
+    import os
+    import tempfile
+
+    from infini_notebook.launch import keep
+    from infini_notebook.launch.watchdog import FOLDER_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = tmp_path / f"{FOLDER_PREFIX}x"
+    folder.mkdir()
+    os.chmod(folder, mode)
+    path = folder / keep.CONNECTION
+    path.write_text(json.dumps({"name": name, "watchdog": watchdog}))
+    os.chmod(path, 0o600)
+    return folder
+
+
+def test_a_stale_connection_file_is_one_line_and_removed(tmp_path, monkeypatch):
+    from infini_notebook.launch import keep
+
+    folder = _fake_session(tmp_path, monkeypatch, "old", [999999, 1.0])  # no such process
+    with pytest.raises(DistUsageError, match=r"Cannot attach session 'old': stale"):
+        keep.find("old")
+    assert not folder.exists()
+    assert keep.kept_sessions() == {}
+
+
+def test_a_connection_file_others_can_read_is_refused(tmp_path, monkeypatch):
+    import os
+
+    import psutil
+
+    from infini_notebook.launch import keep
+
+    me = psutil.Process()
+    _fake_session(tmp_path, monkeypatch, "open", [me.pid, me.create_time()], mode=0o755)
+    with pytest.raises(DistUsageError, match="not this user's alone: refused"):
+        keep.find("open")
+    with pytest.raises(DistUsageError, match="No kept session is named 'nope'"):
+        keep.find("nope")
+    assert os.path.isdir(tmp_path)
