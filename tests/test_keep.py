@@ -62,6 +62,12 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         assert not psutil.pid_exists(old_kernel) or old_kernel != first.kernel_pid
         assert {p.pid for p in session_processes(folder)} == before
         first.run("%load_ext infini_notebook")
+        listed = text_of(first.run("%dist_sessions"))
+        assert name in listed and "detached, ends in 1m" in listed, listed
+        row = text_of(
+            first.run(f"df = %dist_sessions\nprint(df[df.name == {name!r}].iloc[0].to_dict())")
+        )
+        assert "'ranks': 2" in row and "'backend': 'gloo'" in row, row
         said = text_of(first.run(f"%dist_attach {name}"))
         assert f"Attached session {name!r}: 2 ranks (gloo)" in said and "was detached" in said
         out = text_of(
