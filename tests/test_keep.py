@@ -60,7 +60,7 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         run_sync(first.client.km.restart_kernel)(now=True)
         run_sync(first.client.kc.wait_for_ready)(timeout=60)
         assert not psutil.pid_exists(old_kernel) or old_kernel != first.kernel_pid
-        assert {p.pid for p in session_processes(folder)} == before
+        assert before <= {p.pid for p in session_processes(folder)}  # (spares may join)
         first.run("%load_ext infini_notebook")
         listed = text_of(first.run("%dist_sessions"))
         assert name in listed and "detached, ends in 1m" in listed, listed
@@ -78,7 +78,7 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         )
         assert "[rank 0] x 1 sum 12.0" in out and "[rank 1] x 11 sum 12.0" in out, out
         status = text_of(first.run("%dist_status"))
-        assert "rank 1" in status or "[rank 1]" in status or "1" in status
+        assert "\n   1 " in status and status.count("idle") >= 2, status
 
         # a second kernel is refused while the first lives, in one line naming it
         taken = text_of(
