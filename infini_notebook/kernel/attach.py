@@ -9,7 +9,9 @@ import json
 import os
 import time
 
+from ..core.errors import DistUsageError
 from ..core.keep import format_duration
+from ..core.output import one_line
 from ..core.ranks import rank_label
 from ..launch import startup
 
@@ -34,10 +36,15 @@ def take_over(s, force: bool = False) -> str:
             s.plan, s.engines, {r: infos.get(r, missing) for r in range(world)}
         )
         s.book.record(rows)
-    except BaseException:
+    except BaseException as e:
         s.keeper.release_claim()  # the session waits for a kernel again
         s.engines.client.close()
-        raise
+        if isinstance(e, (DistUsageError, KeyboardInterrupt)):
+            raise
+        raise DistUsageError(
+            f"Attaching session {kept.name!r} failed: {one_line(e)}. It waits for a kernel "
+            f"again; %dist_stop {kept.name} ends it."
+        ) from None
     running = {r: i["cell"] for r, i in infos.items() if i.get("cell")}
     s.book.add_stuck(running)  # until their engines' queues drain (see supervision)
     return attach_line(s, took, sorted(set(range(s.world_size)) - set(infos)), running)
