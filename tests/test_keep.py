@@ -20,6 +20,15 @@ from infini_notebook.launch.watchdog import MARK
 pytestmark = pytest.mark.timeout(600)
 
 
+# Kernel code: until every rank runs line 3 of the background cell (its sleep).
+IN_THE_CELL = """\
+import time as _t
+_deadline = _t.monotonic() + 30
+while not all("line 3 in <module>" in d for d in dist_session.stacks().values()):
+    assert _t.monotonic() < _deadline, dist_session.stacks()
+    _t.sleep(0.1)"""
+
+
 def session_processes(folder: str) -> list[psutil.Process]:
     """Every process of the session in ``folder``: marked ones, and its watchdog."""
     profile = os.path.join(folder, "profile")
@@ -99,6 +108,7 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         # SIGKILL of the driving kernel while a cell runs: the cell goes on, the first
         # kernel attaches again (no --force), sees it, its stacks, and interrupts it
         second.run("%%dist --background\nimport time\nfor i in range(600):\n    time.sleep(0.1)")
+        second.run(IN_THE_CELL)  # the kill must not beat the cell to the ranks
         killed = psutil.Process(second.kernel_pid)
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
