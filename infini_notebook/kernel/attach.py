@@ -78,6 +78,6 @@ def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
         out = os.path.join(s.folder.path, "output")
         parts.append(
             f"{cell} still runs on {rank_label(sorted(running))[1:-1]} since {since} "
-            f"(%dist_stacks, %dist_interrupt; its output so far: {out})"
+            f"(%dist_stacks, %dist_interrupt; its output until the last kernel ended: {out})"
         )
     return "; ".join(parts) + "."
