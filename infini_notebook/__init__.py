@@ -36,16 +36,20 @@ def current():
 def load_ipython_extension(ipython) -> None:
     from .core.export import record_outcome
     from .debug_magics import DebugMagics
+    from .keep_magics import KeepMagics, record_cell
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(DebugMagics)
+    ipython.register_magics(KeepMagics)
     if current() is None:
         from .launch.prewarm import warm
 
         warm()  # the first %dist_start then finds its template's imports done
     if record_outcome not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", record_outcome)  # %dist_export skips failures
+    if record_cell not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", record_cell)  # a kept session's history
 
 
 def __getattr__(name):  # lazy: ParallelLayout without importing torch.distributed

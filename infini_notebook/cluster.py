@@ -16,18 +16,21 @@ from typing import Any
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
 from .core.output import one_line, prefix_lines
-from .core.plan import SessionPlan, make_plan
+from .core.plan import SessionPlan
 from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .engine import bootstrap, postmortem
+from .kernel import attach as attach_kept
 from .kernel import diff, execution, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
-from .launch import engine_sets, launchers, machine, prewarm, startup
+from .launch import engine_sets, keep, prewarm, startup
 from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
+from .launch.keep import Keeper
+from .launch.machine import plan_from_options
 from .launch.rendezvous import Rendezvous
 
 __all__ = ["CellResult", "Printer", "Progress", "RankState", "Session", "current", "start"]
@@ -41,7 +44,8 @@ STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing
 
 def current() -> Session | None:
     """The running session, if any."""
-    return _current if _current is not None and _current.running else None
+    session = _current
+    return session if session is not None and session.running and session.keeper.driven() else None
 
 
 def start(
@@ -58,34 +62,34 @@ def start(
             "Stop it first with %dist_stop (or session.stop())."
         )
     plan = plan_from_options(options, **keywords)
+    if plan.keep_s:
+        keep.check_free(plan.name)
     if progress is not None:
         progress(0, 0)  # the options are good: only now a "starting..." bar
-    session = Session(plan, warmed=take_warmed(plan))
+    session = Session(plan, warmed=prewarm.take_for(plan))
     session.start(progress)
     _current = session
     return session
 
 
-def take_warmed(plan: SessionPlan) -> prewarm.Warmed | None:
-    """The template %load_ext warmed, if it suits this plan's engines (see prewarm.py)."""
-    if plan.template_off:
-        prewarm.discard()  # no use to this session
-        return None
-    return prewarm.take(launchers.template_env(plan))
+def attach(name: str, force: bool = False) -> tuple[Session, str]:
+    """Take over the kept session ``name`` (``%dist_start --name NAME --keep 30m``) from
+    this kernel; the session and the line that says what was taken over (see attach.py)."""
+    global _current
+    if current() is not None:
+        raise DistUsageError("A session runs in this kernel already: %dist_stop it first.")
+    kept = keep.find(name)
+    session = Session(kept.plan, kept=kept)
+    line = attach_kept.take_over(session, force)
+    session.running = True
+    session.engines.plan_standby(session.book.idle_for)
+    _current = session
+    return session, line
 
 
-def plan_from_options(options: StartOptions | None = None, **keywords) -> SessionPlan:
-    """The checked plan for ``options`` (or for the StartOptions the keywords make)."""
-    try:
-        options = options or StartOptions(**keywords)
-    except TypeError as e:  # a keyword that is no option
-        raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
-    return make_plan(
-        options,
-        visible_gpus=machine.visible_cuda_devices(),
-        host_addresses=machine.host_addresses(),
-        nccl_version=machine.nccl_version(),
-    )
+def lost() -> str | None:
+    """Why this kernel's session is no longer its own (another kernel attached it)."""
+    return _current.keeper.lost if _current is not None else None
 
 
 class Session:
@@ -95,17 +99,21 @@ class Session:
     - ``rendezvous`` (Rendezvous): the store the kernel hosts, the attempt and its nonce;
     - ``engines`` (Engines): which engine serves which rank, the client, template, spares;
     - ``book`` (RankBook): each rank's row, busy, failed and stuck ranks;
-    - ``background`` (BackgroundCell): the --background cell, if one runs.
+    - ``background`` (BackgroundCell): the --background cell, if one runs;
+    - ``keeper`` (Keeper): a kept session's lease and connection data (see keep.py).
 
     ``last`` (the last cell's CellResult) and ``running`` are the facade's own."""
 
-    def __init__(self, plan: SessionPlan, warmed: prewarm.Warmed | None = None):
+    def __init__(
+        self, plan: SessionPlan, warmed: prewarm.Warmed | None = None, kept: keep.Kept | None = None
+    ):
         """``warmed``: a template warmed ahead (see prewarm.py), whose folder, template and
-        watchdog this session adopts."""
+        watchdog this session adopts; ``kept``: a kept session's, to attach (see attach)."""
         self.plan = plan
-        self.folder = SessionFolder(warmed)
-        self.rendezvous = Rendezvous(plan)
-        self.engines = Engines(plan, self.folder, warmed)
+        self.folder = SessionFolder(warmed or kept)
+        self.rendezvous = Rendezvous(plan, kept)
+        self.engines = Engines(plan, self.folder, warmed or kept)
+        self.keeper = Keeper(plan, self.folder, kept)
         self.book = RankBook()
         self.background = BackgroundCell()
         self.last: CellResult | None = None
@@ -115,7 +123,7 @@ class Session:
     def start(self, progress: Progress | None = None) -> Session:
         t0 = time.perf_counter()
         try:
-            self.rendezvous.host()
+            self.keeper.host_store(self.rendezvous)  # hosted here, or kept: a process of its own
             self._launch(progress)
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
@@ -125,7 +133,8 @@ class Session:
             raise engine_sets.start_error(self.plan, e) from None
         self.running = True
         self.engines.plan_standby(self.book.idle_for)  # spares for a hard restart, once idle
-        atexit.register(self.stop)
+        if not self.keeper.keep(self.rendezvous, self.engines.client.cluster.cluster_id):
+            atexit.register(self.stop)  # a kept session outlives the kernel
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
 
@@ -288,9 +297,9 @@ class Session:
         return self.background.start(self, code, ranks, printer=printer, **kw)
 
     def interrupt(self, ranks: str | list[int] | None = None) -> list[int]:
-        """SIGINT the background cell's ranks that still run it (of ``ranks``): stops it
-        and nothing else. Returns the ranks signalled."""
-        return self.background.interrupt(self, ranks)
+        """SIGINT the background cell's ranks that still run it (of ``ranks``), or a cell
+        an earlier kernel left running (see attach.py). Returns the ranks signalled."""
+        return self.background.interrupt(self, ranks) or attach_kept.interrupt_left(self, ranks)
 
     def stacks(self, ranks: str | list[int] | None = None, wait: float = 2.0) -> dict[int, str]:
         """Every thread's Python stack on each rank (the cell's thread as 'Current thread');
@@ -359,7 +368,7 @@ class Session:
         """Run ``code`` in the failing frame (its locals and globals) on each rank that failed
         in the last cell, or on ``ranks`` of those; ``{rank: output}``, shown labeled."""
         self.require_running()
-        targets = self._failed_ranks(ranks)
+        targets = execution.failed_ranks(self, ranks)
         dead = supervision.dead_ranks(self, targets)
         if dead:
             raise DistUsageError(f"{supervision.dead_text(dead)}: its frames are gone.")
@@ -407,28 +416,11 @@ class Session:
         The last cell stays the one inspected: ``debug`` and ``post_mortem`` work again."""
         self.require_running()
         self.background.refuse("%dist_debug")
-        targets = self._failed_ranks(ranks)
+        targets = execution.failed_ranks(self, ranks)
         # no process group is used (a session whose groups broke can debug too), and the
         # last cell stays the one inspected, its ranks still failed
         printer = TextPrinter(True, owns_cell=True)
         execution.run(self, postmortem.DEBUG_CELL, targets, False, None, printer, users=False)
-
-    def _failed_ranks(self, ranks: str | list[int] | None) -> list[int]:
-        """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""
-        failed = sorted(self.last.errors) if self.last is not None else []
-        if not failed:
-            raise DistUsageError(
-                "The last cell did not fail, so there is no failing frame to inspect. "
-                "Post-mortem works right after a %%dist cell that raised on some rank."
-            )
-        if ranks is None:
-            return failed
-        chosen = parse_ranks(ranks, self.world_size)
-        if not set(chosen) <= set(failed):
-            raise DistUsageError(
-                f"Only {rank_label(failed)[1:-1]} failed in the last cell; pick --ranks among them."
-            )
-        return chosen
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
@@ -478,4 +470,5 @@ class Session:
         """DistUsageError unless the session runs and its controller answers."""
         if not self.running:
             raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+        self.keeper.require_held()  # another kernel may have attached a kept session
         self.engines.client.require_controller()

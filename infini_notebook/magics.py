@@ -25,7 +25,9 @@ from .viz.status_render import ready_text
 def _session() -> cluster.Session:
     session = cluster.current()
     if session is None:
-        raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+        raise DistUsageError(
+            cluster.lost() or "No session is running. Start one with %dist_start --nprocs 4."
+        )
     return session
 
 
@@ -128,13 +130,21 @@ class DistMagics(Magics):
         ranks = _session().interrupt(args.ranks)
         print(f"Interrupted ranks {ranks}." if ranks else "No background cell is running.")
 
+    @magic_arguments()
+    @argument("name", nargs="?", help="a kept session to end without attaching it")
     @line_magic
     def dist_stop(self, line: str):
         """Stop the session: engines, controller and store (and the template %load_ext
-        warmed for the next session, if one waits)."""
-        from .launch import prewarm
+        warmed for the next session, if one waits). %dist_stop NAME ends the kept session
+        NAME (see %dist_sessions) without attaching it."""
+        from .launch import keep, prewarm
 
+        name = parse_argstring(self.dist_stop, line).name
         session = cluster.current()
+        if name and (session is None or session.plan.name != name):
+            keep.stop(name)
+            print(f"Session {name!r} stopped.")
+            return
         if session is None:
             warm = prewarm.warm_template() is not None
             prewarm.discard()
@@ -192,7 +202,8 @@ class DistMagics(Magics):
 
         if cluster.current() is None:
             raise DistUsageError(
-                "No session is running. Start one with %dist_start --nprocs 4."
+                cluster.lost()
+                or "No session is running. Start one with %dist_start --nprocs 4."
                 + prewarm.status_note()
             )
         display(viz.status_widget(_session()))
@@ -371,7 +382,11 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_export, line)
         path = os.path.expanduser(_unquote(args.path))
         export.check_path(path, args.force)
-        history = export.history(self.shell.history_manager.input_hist_raw)
+        kept = cluster.current()  # a kept session: the cells of every kernel that drove it
+        if kept is not None and kept.keeper.keeps:
+            history = kept.keeper.history()
+        else:
+            history = export.history(self.shell.history_manager.input_hist_raw)
         cells, start_line = export.last_session(history)
         settings = export.pick_settings(
             cluster.current(), start_line, lambda flags: parse_argstring(self.dist_start, flags)

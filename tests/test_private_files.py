@@ -119,9 +119,7 @@ def test_a_profile_folder_another_user_made_first_is_not_used(kernel2, shared):
         inside = os.listdir(os.path.join(theirs, leaf))
         assert all(os.path.islink(os.path.join(theirs, leaf, n)) for n in inside)
     (ours,) = [n for n in os.listdir(work) if n != "dist_profile"]
-    assert (
-        ours.startswith(f"dist_profile-In{number}-") and mode(os.path.join(work, ours)) == 0o700
-    )
+    assert ours.startswith(f"dist_profile-In{number}-") and mode(os.path.join(work, ours)) == 0o700
     files = os.listdir(os.path.join(work, ours))
     assert sorted(files) == ["merged.json", "rank0.json", "rank1.json"]
     assert all(mode(os.path.join(work, ours, f)) == 0o600 for f in files)

@@ -75,6 +75,12 @@ class StartOptions:
         "restart only has to set them up)",
     )
 
+    name: str | None = _opt(help="the session's name, for %%dist_attach NAME (with --keep)")
+    keep: str | None = _opt(
+        help="keep the session when the kernel dies or restarts: its ranks wait this long "
+        "(90s, 10m, 2h) for a kernel to %%dist_attach NAME, then end (with --name)",
+    )
+
     @classmethod
     def from_args(cls, args) -> StartOptions:
         """From ``%dist_start``'s parsed arguments (an argparse Namespace)."""

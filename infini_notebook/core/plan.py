@@ -20,6 +20,7 @@ from .devices import (
     visible_entry,
 )
 from .errors import DistUsageError
+from .keep import check_name, parse_duration
 from .options import StartOptions
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -110,6 +111,8 @@ class SessionPlan:
     template_off: str = ""
     nccl_version: tuple[int, ...] | None = None  # the NCCL torch loads here (None: no CUDA)
     gpu_memory_fraction: float | None = None  # --gpu-memory-fraction, per rank
+    name: str = ""  # --name: a kept session's (see launch/keep.py)
+    keep_s: float | None = None  # --keep: how long it waits for a kernel once none drives it
 
     @property
     def device_kind(self) -> str:
@@ -234,7 +237,25 @@ def make_plan(
         gpu_memory_fraction=_memory_fraction(options, plan),
     )
     plan = replace(plan, template_off=template_off(options, plan))
+    plan = replace(plan, **keep_fields(options, plan))
     return with_addresses(plan, host_addresses or [])
+
+
+def keep_fields(o: StartOptions, plan: SessionPlan) -> dict:
+    """--name and --keep, checked: both or neither, local ranks, a store of our own."""
+    if o.name is None and o.keep is None:
+        return {}
+    if o.name is None or o.keep is None:
+        raise DistUsageError(
+            "--keep and --name go together: --name NAME --keep 30m keeps the session when "
+            "the kernel dies, for %dist_attach NAME."
+        )
+    if plan.placement.launcher != "local" or plan.init_method.kind == "file":
+        raise DistUsageError(
+            "--keep works with ranks on this machine (the local launcher) and the env:// or "
+            "tcp:// init method."
+        )
+    return {"name": check_name(o.name), "keep_s": parse_duration(o.keep)}
 
 
 def template_off(o: StartOptions, plan: SessionPlan, platform: str | None = None) -> str:

@@ -379,7 +379,7 @@ def describe_rank(device=None) -> dict:
         # the device's memory in use, every process's, as telemetry reports it (RankState)
         free, total = torch.cuda.mem_get_info(device)
         info["memory_used"] = total - free
-    return info
+    return rank_services.remember(info)
 
 
 def pull_value(name: str) -> Any:

@@ -53,8 +53,10 @@ def install(shell) -> None:
         return
 
     async def run_cell_async(*args, **kwargs):
+        from .cell_names import notebook_number
+
         with _lock:
-            _state.update(in_cell=True, why=None)
+            _state.update(in_cell=True, why=None, since=time.time(), number=notebook_number(shell))
         _tell("start")
         try:
             result = await original(*args, **kwargs)
@@ -124,6 +126,14 @@ def finish(succeeded: bool) -> BaseException | None:
 def in_cell() -> bool:
     """Whether a cell's code runs on this rank now (not a pull, a bench, or nothing)."""
     return _state["in_cell"]
+
+
+def running_cell() -> dict | None:
+    """The cell that runs now: its notebook number (In[N]) and since when; None if none."""
+    with _lock:
+        if not _state["in_cell"]:
+            return None
+        return {"number": _state.get("number"), "since": _state.get("since")}
 
 
 def release(why: str, interrupt: bool) -> bool:

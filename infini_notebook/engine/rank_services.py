@@ -81,12 +81,16 @@ def install_stack_dumper(cfg: dict) -> None:
 
 
 def answer(question: str, scratch) -> str:
-    from . import wait_probe
+    from . import cell_end, wait_probe
 
     if question == "clock":  # %%dist_profile's clock samples
         return str(time.time_ns())
     if question == "wait":
         return json.dumps(wait_probe.current_wait())
+    if question == "info":  # a kernel attaching a kept session (see launch/keep.py)
+        return json.dumps(
+            dict(_described, attempt=_attempt[0] if _attempt else 0, cell=cell_end.running_cell())
+        )
     if question == "links":
         return json.dumps(wait_probe.tcp_links())
     if question.startswith("close "):
@@ -99,6 +103,14 @@ def answer(question: str, scratch) -> str:
 
 
 _attempt: list[int] = []  # the attempt this rank's process groups belong to
+_described: dict = {}  # what bootstrap reported of this rank (pid, host, device ...)
+
+
+def remember(info: dict) -> dict:
+    """Keep what bootstrap reports of this rank, for a kernel that attaches later."""
+    _described.clear()
+    _described.update(info)
+    return info
 
 
 def follow_attempt(attempt: int) -> None:

@@ -116,12 +116,28 @@ class Client:
         self._cluster = ipp.Cluster(
             **launchers.cluster_options(plan, profile_dir),
             log=logging.getLogger("infini_notebook.ipyparallel"),
-            shutdown_atexit=True,
+            shutdown_atexit=not plan.keep_s,  # a kept session outlives the kernel
         )
         self.in_loop(self._cluster.start_controller(**launchers.controller_options()))
         self._client = self.in_loop(self._cluster.connect_client())
         # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
         # after some thousand cells. Messages travel on loopback or CurveZMQ.
+        self._client.session.digest_history_size = DIGEST_HISTORY
+
+    def attach(self, profile_dir: str, cluster_id: str) -> None:
+        """A kept session's running controller (see keep.py): its Cluster as ipyparallel
+        saved it (engine sets, launchers watching their pids), and a client of it."""
+        import ipyparallel as ipp
+
+        async def reconnect():  # on the loop: the launchers watch from it
+            cluster = ipp.Cluster.from_file(
+                profile_dir=profile_dir,
+                cluster_id=cluster_id,
+                log=logging.getLogger("infini_notebook.ipyparallel"),
+            )
+            return cluster, await cluster.connect_client()
+
+        self._cluster, self._client = self.in_loop(reconnect(), timeout=60)
         self._client.session.digest_history_size = DIGEST_HISTORY
 
     def ensure_controller(self, plan: SessionPlan, profile_dir: str) -> None:

@@ -88,6 +88,37 @@ class Engines:
         # Known from now on, so that a failed bootstrap can stop every engine at once.
         for r, eid in enumerate(self._eids):
             self.adopt(r, identities[eid]["pid"])
+        self._write_map()
+
+    def _write_map(self) -> None:
+        """The rank -> engine map in the session's folder: what a kernel attaching a kept
+        session reads (see keep.py)."""
+        import json
+
+        from .keep import RANKS, write_private
+
+        proc = self.template.process
+        template = [proc.pid, proc.create_time()] if self.template.alive() else None
+        body = {"eids": self._eids, "set_id": self._set_id, "how": self.how, "template": template}
+        write_private(self.folder.file(RANKS), json.dumps(body).encode())
+
+    def attach(self, mapped: dict, pids: dict[int, int]) -> None:
+        """A kept session's engines, as the kernel that drove it left them (``mapped``:
+        keep.Kept.ranks()); ``pids``: each live rank's engine pid. Spare engines that
+        kernel forked are ended (this one forks its own once idle)."""
+        self._eids, self._set_id, self.how = list(mapped["eids"]), mapped["set_id"], mapped["how"]
+        for r, pid in pids.items():
+            self.adopt(r, pid)
+        cluster = self.client.cluster
+        spare = [s for s in (cluster.engines if cluster else {}) if s != self._set_id]
+        kill(
+            [
+                launcher.process
+                for s in spare
+                for launcher in getattr(cluster.engines[s], "launchers", {}).values()
+                if getattr(launcher, "process", None) is not None
+            ]
+        )
 
     def _launch(self, progress: Progress | None) -> list[int]:
         """One new engine per rank; their ids once all registered."""

@@ -26,7 +26,10 @@ class SessionFolder:
         self.path: str = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # No process of this session is older: the watchdog ends only those started after.
         self.created: float = warmed.created if warmed else time.time()
-        self._watchdog: subprocess.Popen | None = warmed.watchdog if warmed else None
+        # a Popen of ours, or (a kept session attached) the watchdog as psutil sees it
+        self._watchdog: subprocess.Popen | psutil.Process | None = (
+            warmed.watchdog if warmed else None
+        )
         self._shm_dir: str | None = None  # made at the first transfer: see shm_dir
 
     @property
@@ -54,9 +57,14 @@ class SessionFolder:
     def arm_watchdog(self) -> None:
         """A small process that ends ours if this kernel dies, even by SIGKILL. Armed before
         anything else starts, so a kernel killed while engines come up leaves nothing."""
-        if self._watchdog is not None and self._watchdog.poll() is None:
+        if self._watchdog is not None and _running(self._watchdog):
             return  # a hard restart keeps the session's watchdog (an adopted one too)
         self._watchdog = spawn_watchdog(self.profile_dir, self.created)
+
+    def guard(self) -> psutil.Process:
+        """The process a kept session's ranks and store host watch: its watchdog, which
+        outlives the kernel (see keep.py)."""
+        return psutil.Process(self._watchdog.pid)
 
     def disarm_watchdog(self) -> None:
         if self._watchdog is not None:
@@ -78,22 +86,39 @@ def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:
     """``python -m infini_notebook.launch.watchdog`` for the processes marked ``profile_dir``
     started after ``since`` (see watchdog.py)."""
     kernel = psutil.Process()
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "infini_notebook.launch.watchdog",
-            f"{kernel.pid}:{kernel.create_time()}",
-            profile_dir,
-            repr(since),
-        ],
-        start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
-        stdin=subprocess.DEVNULL,
-    )
+    # Not the kernel's stdout and stderr: a kept session's watchdog outlives the kernel,
+    # and whoever reads the kernel's pipes would wait for it to close them.
+    with open(os.path.join(os.path.dirname(profile_dir), "watchdog.log"), "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "infini_notebook.launch.watchdog",
+                f"{kernel.pid}:{kernel.create_time()}",
+                profile_dir,
+                repr(since),
+            ],
+            start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
 
 
-def stop_watchdog(watchdog: subprocess.Popen) -> None:
-    """End a watchdog that is no longer needed."""
-    if watchdog.poll() is None:
-        watchdog.terminate()
-        watchdog.wait(5)
+def _running(watchdog) -> bool:
+    if isinstance(watchdog, subprocess.Popen):
+        return watchdog.poll() is None
+    try:
+        return watchdog.is_running() and watchdog.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_watchdog(watchdog) -> None:
+    """End a watchdog that is no longer needed (a Popen, or a kept session's psutil.Process)."""
+    if _running(watchdog):
+        try:
+            watchdog.terminate()
+            watchdog.wait(5)
+        except (psutil.Error, subprocess.TimeoutExpired):
+            pass

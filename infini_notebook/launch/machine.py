@@ -43,3 +43,22 @@ def visible_cuda_devices() -> list[str]:
     if env:
         return [x.strip() for x in env.split(",") if x.strip()][:n]
     return [str(i) for i in range(n)]
+
+
+def plan_from_options(options=None, **keywords):
+    """The checked plan for ``options`` (or for the StartOptions the keywords make), with
+    what this machine has."""
+    from ..core.errors import DistUsageError
+    from ..core.options import StartOptions
+    from ..core.plan import make_plan
+
+    try:
+        options = options or StartOptions(**keywords)
+    except TypeError as e:  # a keyword that is no option
+        raise DistUsageError(f"Unknown start option: {e}. See %dist_start --help.") from None
+    return make_plan(
+        options,
+        visible_gpus=visible_cuda_devices(),
+        host_addresses=host_addresses(),
+        nccl_version=nccl_version(),
+    )

@@ -88,6 +88,16 @@ def take(env: dict) -> Warmed | None:
     return None
 
 
+def take_for(plan) -> Warmed | None:
+    """The warm template, if it suits ``plan``'s engines (``take``); ended if none of its."""
+    from . import launchers
+
+    if plan.template_off:
+        discard()  # no use to this session
+        return None
+    return take(launchers.template_env(plan))
+
+
 def same_interpreter(a: dict, b: dict) -> bool:
     """Whether two environments start the same interpreter, up to what each plan sets."""
 

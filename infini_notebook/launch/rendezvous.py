@@ -21,13 +21,15 @@ from ..engine.stdin_relay import prompt_key
 
 
 class Rendezvous:
-    def __init__(self, plan: SessionPlan):
+    def __init__(self, plan: SessionPlan, kept=None):
+        """``kept``: a kept session's connection data (launch/keep.py), whose key root and
+        signing key this kernel takes over at attach."""
         self.plan = plan
         # Every key of the session lives under an unguessable root, and each attempt's
         # process groups under a fresh nonce: nobody can prepare keys for a restart.
-        self.token = secrets.token_hex(16)
+        self.token = kept.data["token"] if kept else secrets.token_hex(16)
         # Signs what travels through the store (core/signing.py); never written into it.
-        self.mac_key = signing.new_key()
+        self.mac_key = kept.data["mac_key"] if kept else signing.new_key()
         self._forgeries: set[str] = set()  # kinds of forged messages reported already
         self.attempt = 0
         self._nonce = secrets.token_hex(8)
@@ -85,6 +87,31 @@ class Rendezvous:
                 f"Cannot host the rendezvous store on {host}:{port} ({e}). "
                 "Pick a free port, or use the default env:// init method."
             ) from None
+
+    def join(self, host: str, port: int) -> None:
+        """Use the store a kept session's own process hosts (launch/store_host.py) as a
+        client: at its start, and by a kernel that attaches."""
+        import torch.distributed as dist
+
+        try:
+            self._server = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            self._keys = dist.PrefixStore(rank_services.session_root(self.token), self._server)
+            alive = rank_services.ALIVE_KEY
+            self._keys.set(alive, signing.sign(self.mac_key, alive, "alive"))
+        except Exception as e:
+            raise DistUsageError(
+                f"Cannot reach the session's store at {host}:{port} ({e}). Its processes may "
+                "have ended: see %dist_sessions."
+            ) from None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the ranks reach the store."""
+        return self.plan.store_address or self._server.host, self._server.port
+
+    def resume(self, attempt: int) -> None:
+        """At attach: the ranks' groups are of ``attempt`` (questions carry it)."""
+        self.attempt = attempt
 
     def next_attempt(self) -> None:
         """A restart's process groups live under a new attempt number and nonce."""

@@ -29,7 +29,8 @@ log = logging.getLogger("infini_notebook")
 
 
 def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, rank: int) -> dict:
-    kernel = psutil.Process()
+    # what a rank watches: the kernel, or for a kept session its watchdog (see keep.py)
+    kernel = folder.guard() if plan.keep_s else psutil.Process()
     world = plan.world_size
     group_rank, local_rank, local_world = plan.placement.rank_places(world)[rank]
     return {
@@ -129,7 +130,8 @@ def rank_table(plan: SessionPlan, engines: Engines, infos: dict[int, dict]) -> l
     rows = []
     for r in range(plan.world_size):
         info = infos[r]
-        engines.adopt(r, info["pid"])
+        if info["pid"]:  # 0: a rank that did not answer (see kernel/attach.py)
+            engines.adopt(r, info["pid"])
         rows.append(
             RankState(
                 rank=r,

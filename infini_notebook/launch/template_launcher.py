@@ -100,6 +100,9 @@ class TemplateEngineSetLauncher(LocalEngineSetLauncher):
     """ipyparallel's local engine set, forked from the warm template at ``template_socket``."""
 
     launcher_class = TemplateEngineLauncher
+    # How ipyparallel's cluster file names this class, for Cluster.from_file (a kept
+    # session attached, see keep.py): its "module:Class" default is not importable there.
+    entrypoint_name = f"{__name__}.TemplateEngineSetLauncher"
     template_socket = Unicode("", config=True, help="the template's socket ('' : none)")
 
     def how(self) -> list[str]:

@@ -9,6 +9,13 @@ and nothing else. So it covers processes that appear while the session is still 
 and those a hard restart brings up, without being told about each. Then it removes the
 session's folder, the folders it noted elsewhere (``record_elsewhere``: a Slurm job's log)
 and its folder in /dev/shm (``/dev/shm/<folder's name>-*``).
+
+A kept session (``--keep``, see launch/keep.py) writes a lease in its folder
+(``lease.json``): the kernel that drives it now and how long to wait once none does. The
+watchdog then follows the lease instead of its first kernel: it writes when the session
+lost its driver (``detached``), and ends everything once nobody attached within the keep
+time, or at once when the lease says ``end``. It reads only files and process tables, so
+it works while the controller or the store hang.
 """
 
 from __future__ import annotations
@@ -118,10 +125,62 @@ def remove_shared_files(folder: str) -> None:
         remove_session_dirs(folder)
 
 
+LEASE = "lease.json"  # a kept session's lease, in its folder (see launch/keep.py)
+DETACHED = "detached"  # written by the watchdog: since when no kernel drives it
+
+
+def read_json(path: str) -> dict | None:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for_the_end(kernel: tuple[int, float], folder: str) -> None:
+    """Until the kernel is gone, or for a kept session until its lease says it ends."""
+    from ..core.keep import lease_verdict
+
+    detached_since: float | None = None
+    told: float | None | bool = False  # what the DETACHED file says (False: not written yet)
+    while True:
+        lease = read_json(os.path.join(folder, LEASE))
+        if lease is None:  # an ordinary session: it ends with its kernel
+            if not same_process(*kernel):
+                return
+        else:
+            holder = lease.get("holder")
+            alive = bool(holder) and same_process(int(holder[0]), float(holder[1])) is not None
+            if alive:
+                detached_since = None
+            elif detached_since is None:
+                detached_since = time.time()
+            if told != detached_since:
+                told = detached_since
+                _write_detached(folder, detached_since)
+            if lease_verdict(lease, alive, detached_since, time.time()) == "end":
+                return
+        time.sleep(POLL_S)
+
+
+def _write_detached(folder: str, since: float | None) -> None:
+    path = os.path.join(folder, DETACHED)
+    try:
+        if since is None:
+            os.remove(path)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(repr(since))
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
     kernel, profile_dir, since = parse(argv[0]), argv[1], float(argv[2])
-    while same_process(*kernel):
-        time.sleep(POLL_S)
+    wait_for_the_end(kernel, os.path.dirname(profile_dir))
     # Twice: a launcher caught halfway may still start a process as the first round ends.
     for _ in range(2):
         end_all(session_processes(profile_dir, since))

@@ -1,0 +1,370 @@
+"""A kept session's life (``%dist_start --name NAME --keep 30m``): what lets its processes
+outlive the kernel, and a new kernel of the same user take it over.
+
+- The store is hosted by a process of its own (``store_host.py``), not by the kernel: the
+  ranks' process groups, and every service they reach through it (stacks, stdin questions,
+  telemetry, release and abort answers), keep working with no kernel attached.
+- The watchdog (``watchdog.py``) follows the session's **lease** (``lease.json``: which
+  kernel drives it, how long to wait once none does) instead of the kernel that started it,
+  and ends every process, the folder and the shared-memory files when nobody attached in
+  time. The ranks and the store host watch the watchdog, not the kernel.
+- The **connection data** (``keep.json`` and ``plan.pickle``, 0600 in the 0700 folder) is
+  what an attaching kernel reads: the name, the store's address, the key root and the
+  session's signing key (never written into the store), the controller's cluster id.
+
+:class:`Keeper` is the only writer of the lease and the connection data; Engines writes the
+rank -> engine map (``ranks.json``) it keeps up to date across hard restarts. Every process
+of a kept session is started in a session of its own (setsid), so Jupyter's restart and
+kill, which signal the kernel's whole process group, reach none of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from ..core.errors import DistUsageError
+from ..core.keep import format_duration
+from .watchdog import (
+    DETACHED,
+    FOLDER_PREFIX,
+    LEASE,
+    MARK,
+    read_json,
+    remove_session_folder,
+    same_process,
+)
+
+CONNECTION = "keep.json"
+PLAN = "plan.pickle"
+RANKS = "ranks.json"
+HISTORY = "history.jsonl"  # the cells every driving kernel ran (see record_cell)
+STORE_READY_S = 120.0  # the store host's ``import torch`` on a loaded machine
+
+
+@dataclass
+class Kept:
+    """One kept session's connection data, as an attaching kernel reads it. Doubles as a
+    ``warmed`` for SessionFolder and Engines (the folder, its watchdog, the template)."""
+
+    name: str
+    workdir: str
+    created: float
+    keep_s: float
+    data: dict  # keep.json
+    plan: Any  # the SessionPlan
+    watchdog: psutil.Process
+    template: psutil.Process | None
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self.data["store_host"], int(self.data["store_port"])
+
+    def ranks(self) -> dict:
+        """The rank -> engine map Engines wrote (``eids``, ``set_id``, ``how``)."""
+        return read_json(os.path.join(self.workdir, RANKS)) or {}
+
+
+def me() -> list:
+    """This kernel, as a lease names it: [pid, start time]."""
+    proc = psutil.Process()
+    return [proc.pid, proc.create_time()]
+
+
+class Keeper:
+    def __init__(self, plan, folder, kept: Kept | None = None):
+        self.plan, self.folder = plan, folder
+        self.kept = kept  # connection data: written at start, or read at attach
+        self._lost: str | None = None  # why this kernel no longer drives the session
+
+    @property
+    def keeps(self) -> bool:
+        return bool(self.plan.keep_s)
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    # ----- start ----------------------------------------------------------------------------
+    def host_store(self, rdzv) -> None:
+        """The store: hosted here for an ordinary session; for a kept one by a process of
+        its own (watched by the session's watchdog, armed first), which the kernel joins."""
+        if not self.keeps:
+            rdzv.host()
+            return
+        self.folder.arm_watchdog()
+        method = self.plan.init_method
+        address = method.host if method.kind == "tcp" else self.plan.bind_address
+        port = method.port if method.kind == "tcp" else 0
+        guard = self.folder.guard()
+        env = dict(os.environ, **{MARK: self.folder.profile_dir})
+        with open(self.folder.file("store.log"), "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "infini_notebook.launch.store_host", address, str(port),
+                 f"{guard.pid}:{guard.create_time()}"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True,  # Jupyter's restart signals the kernel's group
+            )  # fmt: skip
+        line = proc.stdout.readline().decode().strip()  # once it listens (or failed)
+        proc.stdout.close()
+        if not line.isdigit():
+            raise DistUsageError(
+                f"Cannot host the kept session's store on {address}:{port} "
+                f"({line or 'its process exited: see store.log'}). Pick a free port, or use "
+                "the default env:// init method."
+            )
+        rdzv.join(self.plan.store_address or address, int(line))
+
+    def keep(self, rdzv, cluster_id: str) -> bool:
+        """Once started: a kept session's connection data and its lease (this kernel drives
+        it). False for an ordinary session (it ends with the kernel)."""
+        if not self.keeps:
+            return False
+        host, port = rdzv.address
+        guard = self.folder.guard()
+        data = {
+            "name": self.name, "created": self.folder.created, "started": time.time(),
+            "keep_s": self.plan.keep_s, "store_host": host, "store_port": port,
+            "token": rdzv.token, "mac_key": rdzv.mac_key, "cluster_id": cluster_id,
+            "watchdog": [guard.pid, guard.create_time()], "world_size": self.plan.world_size,
+            "backend": self.plan.backend, "gpus": list(self.plan.gpus),
+        }  # fmt: skip
+        write_private(self.folder.file(PLAN), pickle.dumps(self.plan))
+        write_private(self.folder.file(CONNECTION), json.dumps(data).encode())
+        self._write_lease(holder=me())
+        return True
+
+    # ----- who drives it ----------------------------------------------------------------------
+    def _write_lease(self, **fields) -> None:
+        lease = {"keep_s": self.plan.keep_s, "name": self.name, "since": time.time(), **fields}
+        write_private(self.folder.file(LEASE), json.dumps(lease).encode())
+
+    def holder(self) -> tuple[list | None, float | None]:
+        """The kernel that drives the session now ([pid, start] or None) and since when."""
+        lease = read_json(self.folder.file(LEASE)) or {}
+        holder = lease.get("holder")
+        if holder and same_process(int(holder[0]), float(holder[1])) is None:
+            holder = None
+        return holder, lease.get("since")
+
+    def claim(self, force: bool) -> str:
+        """Drive the session from this kernel: refused while another live kernel does,
+        unless ``force``. What was taken from whom, for the attach line."""
+        holder, since = self.holder()
+        if holder is not None and holder[0] != me()[0]:
+            when = time.strftime("%H:%M:%S", time.localtime(since or 0))
+            if not force:
+                raise DistUsageError(
+                    f"Session {self.name!r} is driven by the live kernel pid {holder[0]} "
+                    f"(since {when}). Stop or restart that kernel, or take it over with "
+                    f"%dist_attach {self.name} --force."
+                )
+            self._write_lease(holder=me(), taken_from=holder[0])
+            return f"taken over from kernel pid {holder[0]}"
+        self._write_lease(holder=me())
+        return "was detached"
+
+    def release_claim(self) -> None:
+        """An attach that failed: the session waits for a kernel again (its keep time)."""
+        self._write_lease(holder=None)
+
+    def driven(self) -> bool:
+        """Whether this kernel still drives the session (an ordinary one: always)."""
+        return not self.keeps or (self._lost is None and self._still_mine())
+
+    def require_held(self) -> None:
+        """DistUsageError, one line, once another kernel took the session over."""
+        if not self.driven():
+            raise DistUsageError(self._lost)
+
+    def _still_mine(self) -> bool:
+        lease = read_json(self.folder.file(LEASE)) or {}
+        holder = lease.get("holder")
+        if holder and int(holder[0]) == me()[0]:
+            return True
+        if lease.get("end") or not os.path.isdir(self.folder.path):
+            self._lost = f"Session {self.name!r} was stopped from another kernel."
+        else:
+            when = time.strftime("%H:%M:%S", time.localtime(lease.get("since") or 0))
+            who = f"kernel pid {holder[0]}" if holder else "another kernel"
+            self._lost = (
+                f"This kernel no longer drives session {self.name!r}: {who} took it over at "
+                f"{when}. Attach again with %dist_attach {self.name} --force."
+            )
+        return False
+
+    # ----- the cells run so far (for %dist_export from any kernel that drove it) -------------
+    def record_cell(self, source: str, ok: bool) -> None:
+        """Append a cell this kernel ran while it drove the session."""
+        if self.keeps and source.strip() and self._lost is None:
+            line = json.dumps({"source": source, "ok": ok}) + "\n"
+            fd = os.open(self.folder.file(HISTORY), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    def history(self) -> list:
+        """Every cell the kernels that drove the session ran, in order, numbered from 1."""
+        from ..core.export import HistoryCell
+
+        try:
+            with open(self.folder.file(HISTORY), encoding="utf-8") as f:
+                cells = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            cells = []
+        return [HistoryCell(n, c["source"], c["ok"]) for n, c in enumerate(cells, 1)]
+
+    @property
+    def lost(self) -> str | None:
+        """Why this kernel no longer drives the session, once it does not."""
+        return self._lost
+
+
+# ----- finding kept sessions ------------------------------------------------------------------
+def write_private(path: str, body: bytes) -> None:
+    """Write ``path`` 0600, whole or not at all (a reader never sees half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(body)
+    os.replace(tmp, path)
+
+
+def _private(path: str, mode: int) -> bool:
+    """Ours, and nobody else may read or write it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and st.st_mode & 0o777 & ~mode == 0
+
+
+def _candidates() -> list[str]:
+    """Folders of this user's kept sessions on this machine (not yet checked)."""
+    pattern = os.path.join(tempfile.gettempdir(), glob.escape(FOLDER_PREFIX) + "*", CONNECTION)
+    return [os.path.dirname(p) for p in glob.glob(pattern)]
+
+
+def _load(workdir: str) -> Kept | str:
+    """The kept session in ``workdir``, or why it cannot be attached (one line)."""
+    path = os.path.join(workdir, CONNECTION)
+    if not (_private(workdir, 0o700) and _private(path, 0o600)):
+        return f"its connection data ({path}) is not this user's alone: refused"
+    data = read_json(path)
+    if not data or "watchdog" not in data:
+        return f"its connection data ({path}) is unreadable"
+    watchdog = same_process(*data["watchdog"])
+    if watchdog is None:
+        return "stale (its processes are gone, after a reboot or a kill)"
+    plan_path = os.path.join(workdir, PLAN)
+    if not _private(plan_path, 0o600):
+        return f"its plan ({plan_path}) is not this user's alone: refused"
+    with open(plan_path, "rb") as f:
+        plan = pickle.load(f)  # noqa: S301 (our own 0600 file in our own 0700 folder)
+    ranks = read_json(os.path.join(workdir, RANKS)) or {}
+    template = same_process(*ranks["template"]) if ranks.get("template") else None
+    return Kept(
+        data["name"], workdir, float(data["created"]), float(data["keep_s"]), data, plan,
+        watchdog, template,
+    )  # fmt: skip
+
+
+def kept_sessions() -> dict[str, Kept]:
+    """This user's kept sessions on this machine, by name. Stale entries (a reboot, a
+    killed watchdog) are removed as they are found."""
+    found = {}
+    for workdir in _candidates():
+        kept = _load(workdir)
+        if isinstance(kept, Kept):
+            found[kept.name] = kept
+        elif kept.startswith("stale") and _private(workdir, 0o700):
+            remove_session_folder(workdir)
+    return found
+
+
+def find(name: str) -> Kept:
+    """The kept session ``name``; DistUsageError naming what exists otherwise."""
+    for workdir in _candidates():
+        data = read_json(os.path.join(workdir, CONNECTION)) or {}
+        if data.get("name") != name:
+            continue
+        kept = _load(workdir)
+        if isinstance(kept, Kept):
+            return kept
+        if kept.startswith("stale") and _private(workdir, 0o700):
+            remove_session_folder(workdir)
+        raise DistUsageError(f"Cannot attach session {name!r}: {kept}.")
+    names = sorted(kept_sessions())
+    known = f"Kept sessions: {', '.join(names)}." if names else "No session is kept."
+    raise DistUsageError(f"No kept session is named {name!r}. {known} See %dist_sessions.")
+
+
+def check_free(name: str) -> None:
+    """Refuse a name a live kept session of this user has."""
+    if name in kept_sessions():
+        raise DistUsageError(
+            f"A kept session named {name!r} runs already. Attach it with %dist_attach "
+            f"{name}, end it with %dist_stop {name}, or pick another --name."
+        )
+
+
+def stop(name: str, timeout: float = 30.0) -> None:
+    """End a kept session without attaching: its lease says ``end``; its watchdog ends
+    every process and removes the folder. Waits until it has."""
+    kept = find(name)
+    lease = read_json(os.path.join(kept.workdir, LEASE)) or {}
+    write_private(os.path.join(kept.workdir, LEASE), json.dumps(dict(lease, end=True)).encode())
+    try:
+        kept.watchdog.wait(timeout)
+    except psutil.TimeoutExpired:
+        raise DistUsageError(
+            f"Session {name!r} did not end within {timeout:.0f}s; its watchdog is pid "
+            f"{kept.watchdog.pid}."
+        ) from None
+
+
+def describe(kept: Kept, now: float | None = None) -> dict:
+    """One row of %dist_sessions."""
+    from ..viz.render import format_bytes
+
+    now = time.time() if now is None else now
+    lease = read_json(os.path.join(kept.workdir, LEASE)) or {}
+    holder = lease.get("holder")
+    if holder and same_process(int(holder[0]), float(holder[1])) is not None:
+        driver = f"kernel pid {holder[0]}"
+    else:
+        try:
+            with open(os.path.join(kept.workdir, DETACHED)) as f:
+                since = float(f.read())
+        except (OSError, ValueError):
+            since = now
+        driver = f"detached, ends in {format_duration(since + kept.keep_s - now)}"
+    plan = kept.plan
+    gpus = f"{plan.backend}, GPUs {','.join(plan.gpus)}" if plan.gpus else plan.backend
+    from .watchdog import session_processes
+
+    procs = session_processes(os.path.join(kept.workdir, "profile"), kept.created)
+    rss = 0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss
+        except psutil.Error:
+            pass
+    started = kept.data.get("started", kept.created)
+    return {
+        "name": kept.name,
+        "ranks": plan.world_size,
+        "backend": gpus,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "driver": driver,
+        "memory": format_bytes(rss),
+    }

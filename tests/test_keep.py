@@ -1,0 +1,169 @@
+"""Kept sessions (issue 42): a session started with --name NAME --keep DURATION outlives its
+kernel (Jupyter's restart, a SIGKILL), a new kernel of the same user attaches it with its
+variables and groups, one kernel drives it at a time, and one nobody attaches ends itself
+completely. Real kernels through jupyter_client, as conftest.py starts them."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import fresh_kernel, text_of
+from jupyter_core.utils import run_sync
+
+from infini_notebook.launch.watchdog import MARK
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# Kernel code: until every rank runs line 3 of the background cell (its sleep).
+IN_THE_CELL = """\
+import time as _t
+_deadline = _t.monotonic() + 30
+while not all("line 3 in <module>" in d for d in dist_session.stacks().values()):
+    assert _t.monotonic() < _deadline, dist_session.stacks()
+    _t.sleep(0.1)"""
+
+
+def session_processes(folder: str) -> list[psutil.Process]:
+    """Every process of the session in ``folder``: marked ones, and its watchdog."""
+    profile = os.path.join(folder, "profile")
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_until_gone(folder: str, timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := session_processes(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def folder_of(cells) -> str:
+    return text_of(cells.run("print(dist_session.folder.path)")).strip()
+
+
+def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
+    name = f"kt-{secrets.token_hex(3)}"
+    with fresh_kernel() as first, fresh_kernel() as second:
+        first.run(f"%dist_start --nprocs 2 --tp 2 --name {name} --keep 2m", timeout=180)
+        first.run("%%dist\nx = rank * 10 + 1")
+        folder = folder_of(first)
+        before = {p.pid for p in session_processes(folder)}
+        assert len(before) >= 5  # watchdog, store host, template, controller, 2 engines
+
+        # Jupyter's restart signals the kernel's whole process group: nothing kept dies
+        old_kernel = first.kernel_pid
+        run_sync(first.client.km.restart_kernel)(now=True)
+        run_sync(first.client.kc.wait_for_ready)(timeout=60)
+        assert not psutil.pid_exists(old_kernel) or old_kernel != first.kernel_pid
+        assert before <= {p.pid for p in session_processes(folder)}  # (spares may join)
+        first.run("%load_ext infini_notebook")
+        listed = text_of(first.run("%dist_sessions"))
+        assert name in listed and "detached, ends in 1m" in listed, listed
+        row = text_of(
+            first.run(f"df = %dist_sessions\nprint(df[df.name == {name!r}].iloc[0].to_dict())")
+        )
+        assert "'ranks': 2" in row and "'backend': 'gloo'" in row, row
+        said = text_of(first.run(f"%dist_attach {name}"))
+        assert f"Attached session {name!r}: 2 ranks (gloo)" in said and "was detached" in said
+        out = text_of(
+            first.run(
+                "%%dist\nt = torch.ones(1) * x\ndist.all_reduce(t, group=groups.tp)\n"
+                "print('x', x, 'sum', t.item())"
+            )
+        )
+        assert "[rank 0] x 1 sum 12.0" in out and "[rank 1] x 11 sum 12.0" in out, out
+        status = text_of(first.run("%dist_status"))
+        assert "\n   1 " in status and status.count("idle") >= 2, status
+
+        # a second kernel is refused while the first lives, in one line naming it
+        taken = text_of(
+            second.run(f"%dist_start --nprocs 2 --name {name} --keep 1m", allow_error=True)
+        )
+        assert f"A kept session named {name!r} runs already" in taken
+        refused = text_of(second.run(f"%dist_attach {name}", allow_error=True))
+        assert f"live kernel pid {first.kernel_pid}" in refused and "--force" in refused
+        assert "Traceback" not in refused
+        listed = text_of(second.run("%dist_sessions"))
+        assert name in listed and f"kernel pid {first.kernel_pid}" in listed
+        said = text_of(second.run(f"%dist_attach {name} --force"))
+        assert f"taken over from kernel pid {first.kernel_pid}" in said
+        assert "[rank 1] 11" in text_of(second.run("%%dist\nprint(x)"))
+        lost = text_of(first.run("%%dist\nprint(x)", allow_error=True))
+        assert "no longer drives session" in lost and f"kernel pid {second.kernel_pid}" in lost
+
+        # SIGKILL of the driving kernel while a cell runs: the cell goes on, the first
+        # kernel attaches again (no --force), sees it, its stacks, and interrupts it
+        second.run("%%dist --background\nimport time\nfor i in range(600):\n    time.sleep(0.1)")
+        second.run(IN_THE_CELL)  # the kill must not beat the cell to the ranks
+        killed = psutil.Process(second.kernel_pid)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        said = text_of(first.run(f"%dist_attach {name}"))
+        assert "was detached" in said and "still runs on ranks 0-1" in said, said
+        assert "line 3 in <module>" in text_of(first.run("%dist_stacks"))  # the sleep
+        assert "stuck" in text_of(first.run("%dist_status"))
+        assert "Interrupted ranks [0, 1]" in text_of(first.run("%dist_interrupt"))
+        deadline = time.monotonic() + 30
+        while "[rank 0] 1" not in (out := text_of(first.run("%%dist\nprint(x)", allow_error=True))):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
+
+        # %dist_export has the cells of every kernel that drove it, before the restart too
+        script = os.path.join(folder, "exported.py")
+        first.run(f"%dist_export {script}")
+        text = open(script).read()
+        assert "x = rank * 10 + 1" in text and "dist.all_reduce(t, group=groups.tp)" in text
+
+        first.run("%dist_stop")
+        assert wait_until_gone(folder, 15) == []
+        assert not os.path.exists(folder)
+
+
+def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
+    name = f"kt-{secrets.token_hex(3)}"
+    with fresh_kernel() as cells:
+        out = text_of(cells.run(f"%dist_attach {name}", allow_error=True))
+        assert f"No kept session is named {name!r}" in out and "Traceback" not in out
+        out = text_of(cells.run("%dist_start --nprocs 2 --keep 10m", allow_error=True))
+        assert "--keep and --name go together" in out
+        # a rank that died while detached shows as died; a hard restart brings it back
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 1m", timeout=180)
+        folder = folder_of(cells)
+        rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
+        run_sync(cells.client.km.restart_kernel)(now=True)
+        run_sync(cells.client.kc.wait_for_ready)(timeout=60)
+        psutil.Process(rank1).kill()
+        cells.run("%load_ext infini_notebook")
+        said = text_of(cells.run(f"%dist_attach {name}"))
+        assert "rank 1 died while detached" in said, said
+        assert "died" in text_of(cells.run("%dist_status"))
+        cells.run("%dist_restart --hard", timeout=180)
+        out = text_of(cells.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+        assert "[rank 1] 2.0" in out, out
+        cells.run("%dist_stop")
+        assert wait_until_gone(folder, 15) == []
+
+        # nobody attaches within its keep time: it ends itself, completely
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 5s", timeout=180)
+        folder = folder_of(cells)
+        kernel = psutil.Process(cells.kernel_pid)
+        t0 = time.monotonic()
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait(10)
+        assert wait_until_gone(folder, 40) == []
+        assert time.monotonic() - t0 > 4  # it waited its keep time for a kernel
+        assert not os.path.exists(folder)
