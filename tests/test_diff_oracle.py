@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-import infini_notebook
-
 pytestmark = pytest.mark.timeout(600)
 
 SETUP = """
@@ -80,13 +78,11 @@ def oracle(obj, kind):
 
 
 @pytest.fixture(scope="module")
-def session():
-    s = infini_notebook.start(nprocs=4, tp=2, timeout=60)
-    try:
-        s.run(SETUP, echo=False)
-        yield s
-    finally:
-        s.stop()
+def session(session4):
+    """The suite's shared API session (4 ranks, tp 2 x dp 2): one process holds one session,
+    and starting another costs seconds on 2 cores."""
+    session4.run(SETUP, echo=False)
+    return session4
 
 
 def check(session, name: str, kind: str = "dp"):
