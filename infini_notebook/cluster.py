@@ -395,7 +395,7 @@ class Session:
         """Compare ``name`` (a tensor, module, optimizer, state dict or nested container on
         each rank) within every group of ``group`` (default dp; world without dp).
         Returns (one summary line, a DataFrame of what differs: group, leaf, ranks,
-        max_abs_diff, what)."""
+        compared_with, max_abs_diff, what)."""
         self.require_running()
         self.background.refuse("%dist_diff")
         return diff.diff(self, name, group, atol)

@@ -398,6 +398,15 @@ def group_name(i: int) -> str:
     return name
 
 
+def table_bundle(df: Any, missing: str = "-") -> dict:
+    """A DataFrame shown as a table of its rows only: no index column (its 0, 1, ... mean
+    nothing to a reader), ``missing`` where a value is NaN or None."""
+    return {
+        "text/html": df.to_html(index=False, na_rep=missing),
+        "text/plain": df.to_string(index=False, na_rep=missing),
+    }
+
+
 def layout_mimebundle(layout: LayoutLike, **kw) -> dict:
     """For ``ParallelLayout._repr_mimebundle_``: static HTML and text (no widget, no kernel)."""
     return {"text/html": layout_html(layout, **kw), "text/plain": layout_text(layout, **kw)}
