@@ -112,8 +112,18 @@ def test_aggregate_averages_time_over_a_groups_ranks():
     df = bench.to_frame(rows, check=True)
     assert list(df.columns) == [*bench.COLUMNS, "wrong"]
     table = bench.format_table(df)
-    assert "busbw" in table and "#wrong" in table and "Avg bus bandwidth" in table
-    assert "      4096          1024   float32" in table
+    assert table.splitlines() == [
+        "# all_reduce on 2 tp groups of 2 ranks",
+        "#       size         count      type         ranks       time     algbw     busbw  #wrong",
+        "#        (B)    (elements)                               (us)    (GB/s)    (GB/s)",
+        "        4096          1024   float32           0-1     2000.0   0.00205   0.00205       2",
+        "        4096          1024   float32           2-3     4000.0   0.00102   0.00102       0",
+        "# Avg bus bandwidth    : 0.00154 GB/s",  # 3 significant digits, as the rows
+    ], table
+    world = bench.to_frame(bench.aggregate(dict(step, kind="world", partition=[[0, 1, 2, 3]]),
+                                           {r: dict(replies[0], ranks=[0, 1, 2, 3])
+                                            for r in range(4)}))  # fmt: skip
+    assert bench.format_table(world).splitlines()[0] == "# all_reduce on the world group of 4 ranks"
 
 
 # nccl-tests' PERFORMANCE.md, worked by hand (1 GB = 1e9 B): algbw = S / t;

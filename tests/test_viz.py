@@ -366,6 +366,26 @@ def test_plot_busbw_one_panel_per_collective_one_line_per_group():
     assert panels[0].get_ylabel() == "busbw (GB/s)"
 
 
+def test_busbw_figure_is_large_with_a_gridline_per_labeled_tick():
+    """Issue 40 item 8: one collective fills a 7.5 in wide figure; gridlines only at the
+    labeled ticks (no minor ones), at most 9 sizes labeled over a 4K:1G sweep, and
+    bandwidths written as numbers (0.01, not 10^-2)."""
+    rows = bench_frame()
+    sweep = pd.concat([rows[rows.collective == "all_reduce"].assign(size_bytes=s)
+                       for s in [2**k for k in range(12, 31)]])  # fmt: skip
+    fig = viz.plot_busbw(sweep)
+    assert tuple(fig.get_size_inches()) == (7.5, 4.6)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert len(ax.xaxis.get_minorticklocs()) == 0 and len(ax.yaxis.get_minorticklocs()) == 0
+    shown = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert 4 <= len(shown) <= 9, shown
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and not any("10^" in t or "$" in t for t in labels), labels
+    assert all(line.get_alpha() == 0.15 for line in ax.get_xgridlines()), "light gridlines"
+    assert tuple(viz.plot_busbw(bench_frame()).get_size_inches()) == (11.6, 4.0)  # 2 panels
+
+
 def test_bench_view_controls_redraw():
     view = viz.bench_view(bench_frame())
     assert view.collective.options == ("all_reduce", "all_gather")
