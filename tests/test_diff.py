@@ -343,9 +343,8 @@ def test_the_table_names_the_leaf_and_what_each_rank_was_compared_with():
     )
     leaves[2] = {"": t("a", nan=True)}
     nan = compare(leaves, [[0, 2], [1, 3]], "dp")
-    assert table(nan.rows, "w")[0] == (
-        "dp group 0 (ranks 0,2)", "w", "rank 2", "-", None, "NaN present"
-    )
+    row = ("dp group 0 (ranks 0,2)", "w", "rank 2", "-", None, "NaN present")
+    assert table(nan.rows, "w")[0] == row
     clean = compare({r: {"": t("a")} for r in range(4)}, [[0, 2], [1, 3]], "dp")
     assert summary(clean, clean.rows, "dp", 2) == "1 tensor identical across 2 dp groups"
     values = {r: {"step": {"kind": "int", "sum": "1", "value": "1"}} for r in range(2)}
