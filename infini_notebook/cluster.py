@@ -243,7 +243,7 @@ class Session:
             why = e.summary if isinstance(e, DistCellError) else one_line(e)
             raise DistCellError(
                 f"Hard restart failed: {why}. The session is stopped and nothing is left "
-                "running; start a new one with %dist_start.",
+                "running: start a new one with %dist_start.",
                 getattr(e, "report", ""),
                 getattr(e, "ranks", []),
             ) from None

@@ -5,7 +5,7 @@ a NaN, a name missing on a rank, plain values compared by equality."""
 from __future__ import annotations
 
 import pytest
-from conftest import text_of, use_session
+from conftest import message, text_of, use_session
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,9 +74,9 @@ def test_nan_on_one_rank_is_reported(kernel, four):
 
 def test_missing_names_and_plain_values(kernel, four):
     kernel.run("%%dist\nif rank != 1:\n    only_some = 1\ncfg = {'lr': 0.1, 'step': rank % 2}")
-    err = text_of(kernel.run("%dist_diff only_some", allow_error=True), "error")
+    err = message(kernel.run("%dist_diff only_some", allow_error=True))
     assert "'only_some' cannot be read on every rank (rank 1: NameError" in err, err
-    err = text_of(kernel.run("%dist_diff no_such_name", allow_error=True), "error")
+    err = message(kernel.run("%dist_diff no_such_name", allow_error=True))
     assert "(ranks 0-3: NameError: name 'no_such_name' is not defined)" in err, err
     assert err.count("NameError") == 1, err  # once, not once per rank
     kernel.run("d = %dist_diff cfg --group world")

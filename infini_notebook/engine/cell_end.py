@@ -32,7 +32,9 @@ import threading
 import time
 
 _lock = threading.Lock()
-_state: dict = {"in_cell": False, "why": None}  # why: the release of the running cell
+# why: the release of the running cell; started_ns: when it started (time.time_ns(), the
+# Flight Recorder's clock: wait_probe numbers a collective within the cell by it)
+_state: dict = {"in_cell": False, "why": None, "started_ns": None}
 
 
 class RankReleased(BaseException):
@@ -51,7 +53,7 @@ def install(shell) -> None:
 
     async def run_cell_async(*args, **kwargs):
         with _lock:
-            _state.update(in_cell=True, why=None)
+            _state.update(in_cell=True, why=None, started_ns=time.time_ns())
         try:
             result = await original(*args, **kwargs)
         except RankReleased as e:  # fired while IPython was showing the cell's own error
@@ -99,6 +101,11 @@ def finish(succeeded: bool) -> BaseException | None:
 def in_cell() -> bool:
     """Whether a cell's code runs on this rank now (not a pull, a bench, or nothing)."""
     return _state["in_cell"]
+
+
+def started_ns() -> int | None:
+    """When the running cell started (time.time_ns()); None outside a cell."""
+    return _state["started_ns"] if _state["in_cell"] else None
 
 
 def release(why: str, interrupt: bool) -> bool:

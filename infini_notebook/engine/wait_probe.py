@@ -49,7 +49,8 @@ def flight_recorder_env(torch_version: str) -> dict[str, str]:
 def current_wait() -> dict | None:
     """The torch.distributed call the main (cell) thread is in, or None (computing, idle).
     Keys: op, group (its label), ranks (the group's global ranks), peer (send/recv),
-    seq (the collective's number in its group, from the Flight Recorder), line, func."""
+    seq (the collective's number in its group, from the Flight Recorder), nth (which of the
+    cell's calls of that op on that group), line, func."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     call, cell = None, []
     while frame is not None:
@@ -87,7 +88,7 @@ def _describe_call(frame) -> dict:
             peer = ranks[local[f"group_{_PEER_ARG[op]}"]] if ranks else None
         wait["peer"] = peer
     else:
-        wait["seq"] = _pending_seq(pg)
+        wait.update(_numbers(pg))
     return wait
 
 
@@ -109,12 +110,23 @@ def group_label(pg) -> str:
         return "a group"
 
 
-def _pending_seq(pg) -> int | None:
-    """The newest collective this rank enqueued on ``pg``, by the Flight Recorder."""
+def _numbers(pg) -> dict:
+    """The newest collective this rank enqueued on ``pg``, by the Flight Recorder: its
+    number in the group (seq) and among the cell's calls of its kind there (nth)."""
     from ..core import recorder
 
-    dump = flight_recorder_dump()
-    return recorder.newest_seq(dump, getattr(pg, "group_name", None)) if dump else None
+    dump = flight_recorder_dump(only_active=False)
+    entry = recorder.newest_entry(dump, getattr(pg, "group_name", None)) if dump else None
+    if entry is None:
+        return {"seq": None}
+    return {"seq": entry["collective_seq_id"], "nth": _nth(dump, entry)}
+
+
+def _nth(dump: dict, entry: dict) -> int | None:
+    from ..core import recorder
+    from . import cell_end
+
+    return recorder.nth_in_cell(dump, entry, cell_end.started_ns(), FLIGHT_RECORDER_ENTRIES)
 
 
 def flight_recorder_dump(entries: bool = True, only_active: bool = True) -> dict | None:
@@ -164,10 +176,12 @@ def _pending_in_flight_recorder() -> dict | None:
 
     if not dist.is_initialized():
         return None
-    dump = flight_recorder_dump()
-    wait = recorder.oldest_wait(dump) if dump else None
-    if wait is None:
+    dump = flight_recorder_dump(only_active=False)  # all: the cell's earlier calls number it
+    entry = recorder.oldest_pending(dump) if dump else None
+    if entry is None:
         return None
+    wait = recorder.describe(dump, entry)
+    wait["nth"] = _nth(dump, entry)
     name = wait.pop("name")
     if not wait["ranks"]:  # pg_config may not name the group's ranks
         wait["ranks"] = _group_ranks(name, wait["group"])

@@ -78,7 +78,7 @@ def why_no_input() -> str:
 
 
 NO_STDIN = (
-    "the front end that ran the cell takes no input (as nbclient without allow_stdin); "
+    "the front end that ran the cell takes no input (as nbclient without allow_stdin): "
     "run it in JupyterLab, Notebook or VS Code"
 )
 
