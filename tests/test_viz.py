@@ -43,22 +43,26 @@ def test_grid_shape_keeps_ranks_in_reading_order(kw, cols, rows, shape):
         row, col = g.cell(r)
         c = layout.coords(r)
         if g.row_dims:
-            assert viz.row_label(layout, g, row) == " ".join(
-                f"{d}{c[d]}" for d in reversed(g.row_dims)
+            assert viz.row_label(layout, g, row) == ", ".join(
+                f"{d} rank {c[d]}" for d in reversed(g.row_dims)
             )
         if g.row_dims or layout.world_size == g.ncols:
             assert viz.col_label(layout, g, col) == (
-                " ".join(f"{d}{c[d]}" for d in reversed(g.col_dims)) or "rank"
+                ", ".join(f"{d} rank {c[d]}" for d in reversed(g.col_dims)) or "rank"
             )
 
 
 def test_planning_layout_rows_dp_pp_columns_tp():
+    """Issue 40 item 6: headers name positions within groups ('tp rank 0': the first rank of
+    every tp group), so a column is not read as a tp group (a row is one)."""
     layout = ParallelLayout(64, tp=8, pp=2, order="tp-cp-pp-dp")
     text = viz.layout_text(layout, "tp")
     lines = text.splitlines()
-    assert lines[1].split() == [f"tp{i}" for i in range(8)]
-    assert lines[2].startswith("dp0 pp0") and lines[3].startswith("dp0 pp1")
-    assert lines[2].split()[2:4] == ["r0", "A"] and "r63" in lines[9]
+    assert [h for h in lines[1].strip().split("  ") if h] == [f"tp rank {i}" for i in range(8)]
+    assert lines[2].startswith("dp rank 0, pp rank 0") and lines[3].startswith("dp rank 0, pp r")
+    assert lines[2].split()[6:8] == ["r0", "A"] and "r63" in lines[9]
+    small = viz.layout_text(ParallelLayout(4, tp=2), "tp").splitlines()
+    assert small[1:3] == ["           tp rank 0  tp rank 1", "dp rank 0  r0 A       r1 A"]
 
 
 def test_tiles_colored_by_group_kind():
@@ -139,6 +143,13 @@ def test_static_fallbacks_name_every_rank_with_coords():
     bundle = viz.layout_mimebundle(layout)
     assert set(bundle) == {"text/html", "text/plain"}
     assert "colored by tp" in bundle["text/html"]
+    assert '<th class="infini-grid-head">dp rank 0, tp rank 1</th>' in bundle["text/html"]
+    # a tile unrelated to the selection: the theme's colors (readable in a dark theme too)
+    selected = viz.layout_html(layout, "tp", selected=5)
+    dim = re.search(r'<div class="infini-group-tile infini-dim" data-rank="0" style="([^"]*)"',
+                    selected)  # fmt: skip
+    assert dim and f"background:{viz.render.BG};color:{viz.render.FG}" in dim.group(1)
+    assert "opacity" not in selected
 
 
 # --------------------------------------------------------------------------- group grid widget
@@ -165,6 +176,7 @@ def test_group_grid_widget_recolors_and_selects_on_click():
     assert grid.tiles[1].layout.border.startswith("3px dashed")  # dp group [1, 3]
     assert "infini-dim" in grid.tiles[0]._dom_classes  # shares no group with rank 3
     assert "infini-dim" not in grid.tiles[2]._dom_classes  # tp group [2, 3]
+    assert grid.tiles[0].layout.border == f"2px dashed {grid.tile_views()[0].color}"
     assert grid.tiles[3].description.startswith("rank 3\ntp1 dp1")
     grid.tiles[3].click()  # clicking again clears the selection
     assert grid.selected is None and "infini-dim" not in grid.tiles[0]._dom_classes
@@ -449,7 +461,7 @@ def test_groups_magic_plans_without_a_session(kernel):
     cell = kernel.run(f"%dist_groups {plan}")
     data = cell.outputs[0]["data"]
     assert WIDGET in data and data["text/html"].count('class="infini-group-tile"') == 64
-    assert data["text/plain"].splitlines()[2].startswith("dp0 pp0")
+    assert data["text/plain"].splitlines()[2].startswith("dp rank 0, pp rank 0")
     cell = kernel.run("%dist_groups --world 16 --tp 4 --color-by dp --ranks-per-host 8")
     assert "span hosts" in cell.outputs[0]["data"]["text/html"]
     bad = kernel.run("%dist_groups --world 6 --tp 4", allow_error=True)

@@ -28,6 +28,7 @@ _EXPORTS = {
         "WIDGET_MIME", "col_label", "color_kinds", "coords_label", "default_color_kind", "esc",
         "focus_kinds", "format_bytes", "grid_shape", "group_index", "group_tiles",
         "groups_legend", "hosts_by_block", "layout_html", "layout_mimebundle", "layout_text",
+        "positions",
         "row_label", "selection_text", "size_label", "spanning_groups", "table_bundle",
     ),
     "status_render": (
