@@ -453,13 +453,14 @@ class Session:
             raise DistUsageError(f"The process groups are not whole: {why}. Run {fix} first.")
 
     def template_rss(self) -> int | None:
-        """The warm template's resident memory while it runs (engines fork from it), else
-        None. Its pages are shared with every engine forked from it until one writes them."""
-        return self.engines.template.rss()
+        """The warm template's resident memory while the session runs (engines fork from
+        it), else None. Its pages are shared with every engine forked from it until one
+        writes them."""
+        return self.engines.template.rss() if self.running else None
 
     def spare_engines(self) -> int:
-        """How many engines wait for the next hard restart (see spares.py)."""
-        return self.engines.spare_count()
+        """How many engines wait for the next hard restart (see spares.py); 0 once stopped."""
+        return self.engines.spare_count() if self.running else 0
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -319,23 +319,55 @@ def test_session_value_shows_status_with_fallbacks(session4):
     assert session4._repr_mimebundle_() == bundle
 
 
-def test_shared_status_widget_stops_with_its_session():
+def test_a_newer_status_freezes_the_earlier_and_a_stop_freezes_the_last():
+    """Issue 40 item 4: one live status per session, the latest; an earlier one keeps what
+    it showed when the newer one appeared (scrolling back, a failure still reads as one),
+    and the live one stops at the session's stop, showing it stopped and no template."""
+
     class FakeSession:  # just what StatusWidget reads
         world_size = 2
         layout = ParallelLayout(2, tp=2)
         running = True
+        failed = False
 
         def status(self):
-            state = "idle" if self.running else "stopped"
-            return [fake_state(r, state, coords={"tp": r, "cp": 0, "dp": 0, "pp": 0})
-                    for r in range(2)]  # fmt: skip
+            states = (
+                ["stopped"] * 2
+                if not self.running
+                else ["idle", "failed" if self.failed else "idle"]
+            )
+            return [fake_state(r, s, coords={"tp": r, "cp": 0, "dp": 0, "pp": 0})
+                    for r, s in enumerate(states)]  # fmt: skip
+
+        def template_rss(self):
+            return 300 << 20 if self.running else None
+
+        def session_line(self, states):
+            return "stopped" if not self.running else ("ready" if not self.failed else "broken")
 
     session = FakeSession()
     first = viz.status_widget(session, interval=0.05)
-    assert viz.status_widget(session) is first and first.live
+    assert (
+        first.live
+        and first.title == "session ready · 2 ranks: 2 idle · warm template RSS 300.0 MiB"
+    )
+    session.failed = True
+    assert wait_for(lambda: first.states == ["idle", "failed"], 2)
+    second = viz.status_widget(session, interval=0.05)
+    assert second is not first and second.live and not first.live
+    shown = first.title
+    assert re.fullmatch(r"session broken · 2 ranks: 1 failed, 1 idle · warm template RSS "
+                        r"300\.0 MiB · as of \d\d:\d\d:\d\d", shown), shown  # fmt: skip
+    session.failed = False
+    assert wait_for(lambda: second.states == ["idle", "idle"], 2)
+    time.sleep(0.2)
+    assert first.states == ["idle", "failed"] and first.title == shown  # kept as it was
+    assert "infini-state-failed" in first.tiles[1].value
     session.running = False
-    assert wait_for(lambda: not first.live, 2)
-    assert first.states == ["stopped", "stopped"]
+    assert wait_for(lambda: not second.live, 2)
+    assert second.states == ["stopped", "stopped"]
+    assert second.title.startswith("session stopped · 2 ranks: 2 stopped · as of ")
+    assert "template" not in second.title
     viz.close_status_widgets()
 
 
@@ -478,7 +510,14 @@ def test_status_magic_and_session_value_show_the_widget(kernel):
         assert WIDGET in data, source
         assert data["text/html"].count('class="infini-rank-tile') == 2
         assert re.search(r"1\s+idle\s+tp1", data["text/plain"])
-    kernel.run("%dist_stop")
+    kernel.run(
+        "from infini_notebook.viz import status\nlive = status._status_widgets[dist_session]"
+    )
+    assert "warm template RSS" in text_of(kernel.run("print(live.title)"))
+    kernel.run("session = dist_session\n%dist_stop")
+    title = text_of(kernel.run("live._thread and live._thread.join(5)\nprint(live.title)"))
+    assert title.startswith("session stopped · 2 ranks: 2 stopped · as of "), title
+    assert "template" not in title and "spare" not in title, title  # they are gone
 
 
 def test_state_badges_and_group_tiles_keep_text_readable_in_any_theme():
