@@ -14,7 +14,7 @@ import textwrap
 _PARTS = re.compile(r"; |(?<=\.) (?=[A-Z%])")
 # The longest line of a message. JupyterLab wraps longer output lines anywhere, mid-word
 # too (``word-break: break-all`` on output <pre>), so ours are wrapped between words first.
-WIDTH = 88
+WIDTH = 100
 
 
 def wrap(name: str, text: str, indent: str = "  ") -> list[str]:
