@@ -33,7 +33,7 @@ import time
 
 _lock = threading.Lock()
 # why: the release of the running cell; started_ns: when it started (time.time_ns(), the
-# Flight Recorder's clock: wait_probe numbers a collective within the cell by it); armed: a
+# Flight Recorder's clock: a wait is numbered within the cell by it); armed: a
 # release's exception was set for the cell's thread (raised by now, or still to fire)
 _state: dict = {"in_cell": False, "why": None, "started_ns": None, "armed": False}
 

@@ -75,12 +75,12 @@ def install_stack_dumper(cfg: dict) -> None:
 
 
 def answer(question: str, scratch) -> str:
-    from . import wait_probe
+    from . import cell_end, wait_probe
 
     if question == "clock":  # %%dist_profile's clock samples
         return str(time.time_ns())
     if question == "wait":
-        return json.dumps(wait_probe.current_wait())
+        return json.dumps(wait_probe.current_wait(cell_end.started_ns()))
     if question == "links":
         return json.dumps(wait_probe.tcp_links())
     if question.startswith("close "):
