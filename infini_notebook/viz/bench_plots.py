@@ -100,6 +100,10 @@ def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: size_label(x)))
     if all((c["min"] > 0).all() for c in curves.values()) and curves:
         ax.set_yscale("log")  # small messages are orders of magnitude slower
+        low = min(c["min"].min() for c in curves.values())
+        high = max(c["max"].max() for c in curves.values())
+        subs = (1.0,) if high / low >= 100 else (1.0, 2.0, 5.0)  # a few labels in any range
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_minor_locator(NullLocator())  # one gridline per labeled tick, no more
