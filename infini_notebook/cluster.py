@@ -252,7 +252,7 @@ class Session:
             why = e.summary if isinstance(e, DistCellError) else one_line(e)
             raise DistCellError(
                 f"Hard restart failed: {why}. The session is stopped and nothing is left "
-                "running; start a new one with %dist_start.",
+                "running: start a new one with %dist_start.",
                 getattr(e, "report", ""),
                 getattr(e, "ranks", []),
             ) from None
@@ -405,7 +405,7 @@ class Session:
         """Compare ``name`` (a tensor, module, optimizer, state dict or nested container on
         each rank) within every group of ``group`` (default dp; world without dp).
         Returns (one summary line, a DataFrame of what differs: group, leaf, ranks,
-        max_abs_diff, what)."""
+        compared_with, max_abs_diff, what)."""
         self.require_running()
         self.background.refuse("%dist_diff")
         return diff.diff(self, name, group, atol)
@@ -446,13 +446,14 @@ class Session:
             raise DistUsageError(f"The process groups are not whole: {why}. Run {fix} first.")
 
     def template_rss(self) -> int | None:
-        """The warm template's resident memory while it runs (engines fork from it), else
-        None. Its pages are shared with every engine forked from it until one writes them."""
-        return self.engines.template.rss()
+        """The warm template's resident memory while the session runs (engines fork from
+        it), else None. Its pages are shared with every engine forked from it until one
+        writes them."""
+        return self.engines.template.rss() if self.running else None
 
     def spare_engines(self) -> int:
-        """How many engines wait for the next hard restart (see spares.py)."""
-        return self.engines.spare_count()
+        """How many engines wait for the next hard restart (see spares.py); 0 once stopped."""
+        return self.engines.spare_count() if self.running else 0
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -56,7 +56,8 @@ class DebugMagics(Magics):
         (default dp: the ranks that should hold the same values) by checksums computed where
         the data lives; DTensors by their placements (ranks holding the same part; a group
         holding each part once against the first group). Only for leaves that differ, the
-        largest difference from the rank compared with. Prints one line, or a table; returns
+        largest difference from the rank compared with. Prints one line, or a table (group,
+        leaf, ranks, compared_with, max_abs_diff, what); returns
         the DataFrame where the line is assigned (diffs = %dist_diff model).
         """
         args = parse_argstring(self.dist_diff, line)
@@ -65,7 +66,9 @@ class DebugMagics(Magics):
         if len(df):
             from IPython.display import display
 
-            display(df)
+            from .viz import table_bundle
+
+            display(table_bundle(df), raw=True)
         return df if _assigned(self.shell, "dist_diff") else None
 
     @magic_arguments()

@@ -77,8 +77,8 @@ class DistMagics(Magics):
         options.ssh_args = _unquote(options.ssh_args)
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
-        rows, how = session.ranks, session.engines.how
-        print(f"{ready_text(session.plan.backend, rows, how)} Use %%dist to run code.")
+        rows, how, layout = session.ranks, session.engines.how, session.layout.sizes_text()
+        print(f"{ready_text(session.plan.backend, rows, how, layout)} Use %%dist to run code.")
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")

@@ -127,6 +127,13 @@ def text_of(cell, name: str | None = None) -> str:
     return "".join(parts)
 
 
+def message(cell) -> str:
+    """A failed cell's own message, as one line: the error's summary (its first line), not
+    the lines it is wrapped in for the notebook (core/errors.py, tested in test_plan)."""
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    return errors[-1].evalue.split("\n")[0] if errors else ""
+
+
 @contextlib.contextmanager
 def fresh_kernel(timeout: int = 180):
     """A new real IPython kernel with the extension loaded, shut down on exit."""

@@ -213,3 +213,45 @@ def test_no_release_raises_into_an_exit_that_waits():
     assert cell() == "went on"
     assert not Profiler.recording
     assert isinstance(cell_end.finish(succeeded=True), cell_end.RankReleased)
+
+
+TRACED_AFTER_CELLS = """
+import sys, threading
+from infini_notebook.engine import cell_end
+
+def cell(release):
+    with cell_end._lock:
+        cell_end._state.update(in_cell=True, why=None)
+    lock = threading.Lock()
+    lock.acquire()
+    work = type("Work", (), {"wait": lock.acquire})()  # a native wait, as work.wait()
+    if release:  # parked in it: the release's exception fires as that wait returns
+        def go():
+            assert cell_end.release("released", True)
+            lock.release()
+        threading.Timer(0.1, go).start()
+        try:
+            work.wait()
+            print("not released")
+        except cell_end.RankReleased:
+            pass
+    cell_end.finish(succeeded=False)
+
+cell(False)
+cell(True)
+sys.settrace(lambda frame, event, arg: None)  # as pdb's n or s steps: a tracer, no stop
+(lambda: 1)()
+sys.settrace(None)
+print("traced")
+"""
+
+
+def test_a_cells_end_leaves_nothing_that_hangs_a_debugger_stepping_later():
+    """Issue 40 item 3: finish() cleared a pending release with PyThreadState_SetAsyncExc
+    (NULL), which leaves CPython 3.11's eval breaker set; under a tracer every function call
+    then spun for ever, so pdb's n hung a rank in any cell after its first."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", TRACED_AFTER_CELLS], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.stdout.strip() == "traced", run.stderr

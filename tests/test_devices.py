@@ -162,6 +162,7 @@ def test_status_and_ready_line_name_the_physical_gpu():
 
 def test_the_ready_line_names_gpus_and_threads_per_rank():
     from infini_notebook.core.state import RankState
+    from infini_notebook.groups import ParallelLayout
     from infini_notebook.viz.status_render import ready_text
 
     rows = [
@@ -173,6 +174,12 @@ def test_the_ready_line_names_gpus_and_threads_per_rank():
     )
     cpu = [RankState(r, 1, "h", "cpu", "cpu", "idle", threads=1) for r in range(2)]
     assert ready_text("gloo", cpu, "x") == "2 ranks ready (gloo; 1 thread per rank; x)."
+    layout = ParallelLayout(4, tp=2).sizes_text()  # issue 40 item 9: the layout, as %dist_groups
+    assert ready_text("nccl", rows, "forked", layout) == (
+        "4 ranks ready (tp 2 x dp 2; nccl; GPUs 4,5,6,7; 8 threads per rank; forked)."
+    )
+    assert ParallelLayout(8, tp=2, pp=2).sizes_text() == "tp 2 x dp 2 x pp 2"
+    assert ParallelLayout(2).sizes_text() == "dp 2" and ParallelLayout(1).sizes_text() == "dp 1"
 
 
 # --- several ranks on one GPU (--gpus 0,0) ------------------------------------------------

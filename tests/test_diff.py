@@ -5,7 +5,7 @@ a NaN, a name missing on a rank, plain values compared by equality."""
 from __future__ import annotations
 
 import pytest
-from conftest import text_of, use_session
+from conftest import message, text_of, use_session
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,16 +33,24 @@ def test_a_parameter_nudged_on_rank_3_is_named_with_its_difference(kernel, four)
     kernel.run("%%dist --ranks 3\nwith torch.no_grad():\n    net[2].bias[1] += 0.5")
     kernel.run("diffs = %dist_diff net")
     rows = text_of(kernel.run("print(diffs.to_dict('records'))"))
-    assert "'group': 'dp group 1 (ranks 1,3)', 'leaf': '2.bias', 'ranks': 'rank 3'" in rows, rows
-    assert "'max_abs_diff': 0.5" in rows and "'what': 'values differ'" in rows
-    assert "dp group 0" not in rows
-    assert "1 difference in 1 of 2 dp groups" in text_of(kernel.run("%dist_diff net"))
+    assert rows.strip() == (
+        "[{'group': 'dp group 1 (ranks 1,3)', 'leaf': '2.bias', 'ranks': 'rank 3', "
+        "'compared_with': 'rank 1', 'max_abs_diff': 0.5, 'what': 'values differ'}]"
+    ), rows
+    shown = kernel.run("%dist_diff net")
+    assert text_of(shown).splitlines() == [  # the line, then the table, without an index
+        "1 difference in 1 of 2 dp groups (of 4 tensors each)",
+        "                 group   leaf  ranks compared_with  max_abs_diff          what",
+        "dp group 1 (ranks 1,3) 2.bias rank 3        rank 1           0.5 values differ",
+    ], text_of(shown)
     assert "all 4 tensors" in text_of(kernel.run("%dist_diff net --atol 0.6"))
     kernel.run("%%dist --ranks 3\nwith torch.no_grad():\n    net[2].bias[1] -= 0.5")
 
 
 def test_tp_shards_differ_by_design_and_only_across_tp(kernel, four):
-    assert "all 1 tensors identical across 2 dp groups" in text_of(kernel.run("%dist_diff shard"))
+    assert text_of(kernel.run("%dist_diff shard")).strip() == (
+        "1 tensor identical across 2 dp groups"
+    )
     out = text_of(kernel.run("%dist_diff shard --group tp"))
     assert "2 differences in 2 of 2 tp groups" in out, out
 
@@ -60,14 +68,15 @@ def test_nan_on_one_rank_is_reported(kernel, four):
     kernel.run("%%dist\nx = torch.ones(4)\nif rank == 2:\n    x[1] = float('nan')")
     kernel.run("d = %dist_diff x")
     rows = text_of(kernel.run("print(d.to_dict('records'))"))
-    assert "'ranks': 'rank 2'" in rows and "'what': 'NaN present'" in rows, rows
+    assert "'leaf': 'x', 'ranks': 'rank 2', 'compared_with': '-'" in rows, rows  # named
+    assert "'what': 'NaN present'" in rows, rows
 
 
 def test_missing_names_and_plain_values(kernel, four):
     kernel.run("%%dist\nif rank != 1:\n    only_some = 1\ncfg = {'lr': 0.1, 'step': rank % 2}")
-    err = text_of(kernel.run("%dist_diff only_some", allow_error=True), "error")
+    err = message(kernel.run("%dist_diff only_some", allow_error=True))
     assert "'only_some' cannot be read on every rank (rank 1: NameError" in err, err
-    err = text_of(kernel.run("%dist_diff no_such_name", allow_error=True), "error")
+    err = message(kernel.run("%dist_diff no_such_name", allow_error=True))
     assert "(ranks 0-3: NameError: name 'no_such_name' is not defined)" in err, err
     assert err.count("NameError") == 1, err  # once, not once per rank
     kernel.run("d = %dist_diff cfg --group world")
@@ -311,6 +320,36 @@ def test_compare_finds_each_kind_of_difference():
         "extra": ([0], "missing on these ranks"),
     }
     assert result.transfers == [] and result.tensors == {"w", "b", "n"}
+    assert {r.leaf: r.against for r in result.rows} == {"b": {1: 0}, "n": {}, "extra": {}}
+
+
+def test_the_table_names_the_leaf_and_what_each_rank_was_compared_with():
+    """Issue 40 item 2: a plain tensor's leaf is its name; each row says which rank the
+    differing ranks were compared with ('-' for what is wrong on its own, as NaN)."""
+    from infini_notebook.core.replica_diff import COLUMNS, compare, summary, table
+
+    def t(sum_, nan=False):
+        return {"kind": "tensor", "shape": [2], "dtype": "float32", "device": "cpu",
+                "sum": sum_, "nan": nan}  # fmt: skip
+
+    leaves = {0: {"": t("a")}, 1: {"": t("a")}, 2: {"": t("a")}, 3: {"": t("b")}}
+    result = compare(leaves, [[0, 2], [1, 3]], "dp")
+    assert COLUMNS == ("group", "leaf", "ranks", "compared_with", "max_abs_diff", "what")
+    assert table(result.rows, "w") == [
+        ("dp group 1 (ranks 1,3)", "w", "rank 3", "rank 1", None, "values differ")
+    ]
+    assert summary(result, result.rows, "dp", 2) == (
+        "1 difference in 1 of 2 dp groups (of 1 tensor each)"
+    )
+    leaves[2] = {"": t("a", nan=True)}
+    nan = compare(leaves, [[0, 2], [1, 3]], "dp")
+    row = ("dp group 0 (ranks 0,2)", "w", "rank 2", "-", None, "NaN present")
+    assert table(nan.rows, "w")[0] == row
+    clean = compare({r: {"": t("a")} for r in range(4)}, [[0, 2], [1, 3]], "dp")
+    assert summary(clean, clean.rows, "dp", 2) == "1 tensor identical across 2 dp groups"
+    values = {r: {"step": {"kind": "int", "sum": "1", "value": "1"}} for r in range(2)}
+    only = compare(values, [[0, 1]], "world")
+    assert summary(only, only.rows, "world", 1) == "1 value identical across 1 world group"
 
 
 def _dtensor(sum_, layout, part):
@@ -331,7 +370,7 @@ def test_dtensor_shards_are_compared_only_with_the_same_shard():
     same = compare(fsdp, dp_groups, "dp")
     assert same.rows == [] and same.dtensors == {"w": "groups"}
     assert summary(same, same.rows, "dp", 2) == (
-        "all 1 tensors identical across 2 dp groups (1 DTensors sharded over each dp group: "
+        "1 tensor identical across 2 dp groups (1 DTensor sharded over each dp group: "
         "each group's whole tensor compared with the first group's)"
     )
     fsdp[3]["w"] = dict(fsdp[3]["w"], sum="drifted")
@@ -363,7 +402,7 @@ def test_a_dtensor_held_once_in_all_is_not_called_identical():
     result = compare(world, [[0, 1, 2, 3]], "world")
     assert result.rows == [] and result.dtensors == {"x": "once"}
     assert summary(result, result.rows, "world", 1) == (
-        "nothing to compare across 1 world group (1 DTensors with each part on one rank only: "
+        "nothing to compare across 1 world group (1 DTensor with each part on one rank only: "
         "not compared)"
     )
     world[1]["x"] = dict(world[1]["x"], layout="Replicate() over world=4", part="")

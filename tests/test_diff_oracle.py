@@ -133,6 +133,9 @@ def test_one_element_changed_on_rank_3_is_found_where_the_oracle_finds_it(
         session.run("with torch.no_grad():\n    _t.copy_(_saved)", ranks=[3], echo=False)
     assert list(differ) == [leaf] and 3 in differ[leaf][0], differ
     assert [(r["leaf"], r["ranks"]) for r in rows] == [(leaf, "rank 3")], rows
+    # rank 3's reference: its dp group's first rank (1), or for FSDP2 (each dp group holds
+    # each shard once) the rank of dp group 0 holding the same shard (2)
+    assert rows[0]["compared_with"] == ("rank 2" if name.startswith("fsdp") else "rank 1"), rows
     assert text.startswith("1 difference in 1 of 2 dp groups"), text
     what = rows[0]["what"]
     if name.startswith("fsdp"):
@@ -146,7 +149,7 @@ def test_tp_compared_over_tp_compares_each_tp_groups_whole_tensor(session):
     tensor is compared with tp group 0's; the replicated biases within the group."""
     text, rows, _ = check(session, "tp", "tp")
     assert rows == [] and "3 DTensors sharded over each tp group" in text, text
-    assert "1 DTensors compared between ranks holding the same part" in text, text
+    assert "1 DTensor compared between ranks holding the same part" in text, text
     session.run("_t = tp[0].weight.to_local()\n_saved = _t.clone()", ranks=[3], echo=False)
     session.run("with torch.no_grad():\n    _t[0, 0] = 5.0", ranks=[3], echo=False)
     try:
@@ -162,7 +165,7 @@ def test_a_dtensor_with_one_copy_in_the_world_is_said_not_compared(session):
     text, rows, _ = check(session, "spread")
     assert rows == [], rows
     assert text == (
-        "nothing to compare across 2 dp groups (1 DTensors with each part on one rank only: "
+        "nothing to compare across 2 dp groups (1 DTensor with each part on one rank only: "
         "not compared)"
     ), text
 
@@ -178,7 +181,7 @@ def test_leaves_the_old_checks_crashed_on_or_called_identical(session):
         echo=False,
     )
     text, _ = session.diff("odd")
-    assert text == "all 3 tensors and 1 other values identical across 2 dp groups", text
+    assert text == "all 3 tensors and 1 other value identical across 2 dp groups", text
     session.run(
         "odd['bf16'][2] = 99\nodd['fp8'][0] = 2.0\nodd['big'][0] += 1\nodd['arr'][5000] = -1",
         ranks=[3],

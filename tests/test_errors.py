@@ -54,7 +54,7 @@ def test_bench_returns_its_dataframe(ranks2):
 def test_a_bare_bench_line_shows_its_numbers_once_not_again_as_a_value(ranks2):
     cell = ranks2.run("%dist_bench all_reduce --sizes 1K --iters 2 --warmup 1")
     assert [o for o in cell.outputs if o.output_type == "execute_result"] == []
-    assert "# all_reduce on world groups" in text_of(cell)
+    assert "# all_reduce on the world group of 2 ranks, 2 iters" in text_of(cell)
 
 
 def test_pushing_an_unpicklable_value_names_it(ranks2):

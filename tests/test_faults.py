@@ -12,7 +12,15 @@ import time
 
 import psutil
 import pytest
-from conftest import FAULT_TIMINGS, KILL_CONTROLLER, SPARES, fresh_kernel, text_of, use_session
+from conftest import (
+    FAULT_TIMINGS,
+    KILL_CONTROLLER,
+    SPARES,
+    fresh_kernel,
+    message,
+    text_of,
+    use_session,
+)
 
 FAULTS = "--nprocs 4 --timeout 5"  # the session most tests here share
 
@@ -36,8 +44,9 @@ def test_a_wait_on_ranks_that_finished_is_released_and_groups_rebuilt(kernel):
         allow_error=True,
     )
     FAULT_TIMINGS["wait on finished ranks: released"] = took
-    err = error_text(cell)
-    assert "rank 0 was waiting for ranks 1-3 in all_reduce" in err and "released" in err
+    err, summary = error_text(cell), message(cell)
+    assert "rank 0 was waiting for ranks 1-3 in the cell's 1st all_reduce (#" in summary
+    assert "released" in summary
     assert "timed out" not in err.lower()  # released, not left to the 5 s timeout
     assert "unbound_buffer.cc" not in err.split("DistCellError")[-1]  # no C++ paths in summary
     out = text_of(  # rebuilt by itself: no %dist_restart needed, variables kept
@@ -60,7 +69,8 @@ def test_a_genuine_hang_shows_where_ranks_wait_then_times_out(kernel):
     FAULT_TIMINGS["hung collective: detect (timeout 5 s)"] = took
     shown = [o["data"]["text/plain"] for o in cell.outputs if o.output_type == "display_data"]
     assert shown and shown[0].startswith("waiting "), cell.outputs  # one display, updated
-    assert "ranks 0-1 in all_reduce" in shown[0] and "ranks 2-3 in broadcast" in shown[0]
+    assert "ranks 0-1 in the cell's 1st all_reduce (#" in shown[0], shown[0]
+    assert "ranks 2-3 in the cell's 1st broadcast (#" in shown[0]
     assert "mismatch in the world group" in shown[0]
     err = error_text(cell)
     assert "timed out" in err.lower() and "%dist_restart" in err

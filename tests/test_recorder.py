@@ -51,7 +51,7 @@ def test_a_layout_group_is_named_by_its_kind_and_p2p_by_its_own_number():
     wait = recorder.oldest_wait(dump)
     assert wait["group"] == "tp" and wait["seq"] == 3 and wait["ranks"] == [0, 1]
     assert recorder.oldest_wait(dump, collectives_only=True) is None
-    assert recorder.newest_seq(dump, "1") == 2
+    assert recorder.newest_entry(dump, "1")["collective_seq_id"] == 2
 
 
 def test_gloo_entries_stay_scheduled_yet_are_not_pending_once_done():
@@ -83,3 +83,27 @@ def test_a_group_is_named_alike_in_errors_and_in_the_profile():
     assert recorder.group_label("inb_cpu_tp") == "tp (gloo twin)"
     assert timeline._group_label("3", "inb_tp", [2, 3]) == "tp [ranks 2-3]"
     assert timeline._group_label("0", "default_pg", [0, 1, 2, 3]) == "world"
+
+
+def test_a_collective_is_numbered_within_the_cell_by_its_kind_on_its_group():
+    """Issue 40 item 5: "the cell's 1st all_reduce (#3 on the world group)". Entries made
+    before the cell started (the bootstrap's, an earlier cell's) do not count, nor other
+    ops or groups; a recorder that may have dropped some of the cell's entries says nothing."""
+
+    def entry(i, t, name="gloo:all_reduce", group=("0", "default_pg")):
+        return {"record_id": i, "time_created_ns": t, "profiling_name": name, "is_p2p": False,
+                "process_group": list(group), "collective_seq_id": i + 1}  # fmt: skip
+
+    entries = [
+        entry(0, 10), entry(1, 20),  # before the cell (started at 100)
+        entry(2, 110, "gloo:broadcast"), entry(3, 120, group=("1", "inb_tp")),
+        entry(4, 130), entry(5, 140),
+    ]  # fmt: skip
+    dump = {"entries": entries}
+    assert recorder.nth_in_cell(dump, entries[4], 100, capacity=200) == 1
+    assert recorder.nth_in_cell(dump, entries[5], 100, capacity=200) == 2
+    assert recorder.nth_in_cell(dump, entries[2], 100, capacity=200) == 1  # its broadcast
+    assert recorder.nth_in_cell(dump, entries[4], None, capacity=200) is None  # no cell
+    # a full ring holding only the cell's entries: older ones of the cell may be gone
+    assert recorder.nth_in_cell({"entries": entries[2:]}, entries[4], 100, capacity=4) is None
+    assert recorder.nth_in_cell(dump, entries[4], 100, capacity=6) == 1  # older ones kept

@@ -43,22 +43,26 @@ def test_grid_shape_keeps_ranks_in_reading_order(kw, cols, rows, shape):
         row, col = g.cell(r)
         c = layout.coords(r)
         if g.row_dims:
-            assert viz.row_label(layout, g, row) == " ".join(
-                f"{d}{c[d]}" for d in reversed(g.row_dims)
+            assert viz.row_label(layout, g, row) == ", ".join(
+                f"{d} rank {c[d]}" for d in reversed(g.row_dims)
             )
         if g.row_dims or layout.world_size == g.ncols:
             assert viz.col_label(layout, g, col) == (
-                " ".join(f"{d}{c[d]}" for d in reversed(g.col_dims)) or "rank"
+                ", ".join(f"{d} rank {c[d]}" for d in reversed(g.col_dims)) or "rank"
             )
 
 
 def test_planning_layout_rows_dp_pp_columns_tp():
+    """Issue 40 item 6: headers name positions within groups ('tp rank 0': the first rank of
+    every tp group), so a column is not read as a tp group (a row is one)."""
     layout = ParallelLayout(64, tp=8, pp=2, order="tp-cp-pp-dp")
     text = viz.layout_text(layout, "tp")
     lines = text.splitlines()
-    assert lines[1].split() == [f"tp{i}" for i in range(8)]
-    assert lines[2].startswith("dp0 pp0") and lines[3].startswith("dp0 pp1")
-    assert lines[2].split()[2:4] == ["r0", "A"] and "r63" in lines[9]
+    assert [h for h in lines[1].strip().split("  ") if h] == [f"tp rank {i}" for i in range(8)]
+    assert lines[2].startswith("dp rank 0, pp rank 0") and lines[3].startswith("dp rank 0, pp r")
+    assert lines[2].split()[6:8] == ["r0", "A"] and "r63" in lines[9]
+    small = viz.layout_text(ParallelLayout(4, tp=2), "tp").splitlines()
+    assert small[1:3] == ["           tp rank 0  tp rank 1", "dp rank 0  r0 A       r1 A"]
 
 
 def test_tiles_colored_by_group_kind():
@@ -139,6 +143,13 @@ def test_static_fallbacks_name_every_rank_with_coords():
     bundle = viz.layout_mimebundle(layout)
     assert set(bundle) == {"text/html", "text/plain"}
     assert "colored by tp" in bundle["text/html"]
+    assert '<th class="infini-grid-head">dp rank 0, tp rank 1</th>' in bundle["text/html"]
+    # a tile unrelated to the selection: the theme's colors (readable in a dark theme too)
+    selected = viz.layout_html(layout, "tp", selected=5)
+    dim = re.search(r'<div class="infini-group-tile infini-dim" data-rank="0" style="([^"]*)"',
+                    selected)  # fmt: skip
+    assert dim and f"background:{viz.render.BG};color:{viz.render.FG}" in dim.group(1)
+    assert "opacity" not in selected
 
 
 # --------------------------------------------------------------------------- group grid widget
@@ -165,6 +176,7 @@ def test_group_grid_widget_recolors_and_selects_on_click():
     assert grid.tiles[1].layout.border.startswith("3px dashed")  # dp group [1, 3]
     assert "infini-dim" in grid.tiles[0]._dom_classes  # shares no group with rank 3
     assert "infini-dim" not in grid.tiles[2]._dom_classes  # tp group [2, 3]
+    assert grid.tiles[0].layout.border == f"2px dashed {grid.tile_views()[0].color}"
     assert grid.tiles[3].description.startswith("rank 3\ntp1 dp1")
     grid.tiles[3].click()  # clicking again clears the selection
     assert grid.selected is None and "infini-dim" not in grid.tiles[0]._dom_classes
@@ -307,23 +319,55 @@ def test_session_value_shows_status_with_fallbacks(session4):
     assert session4._repr_mimebundle_() == bundle
 
 
-def test_shared_status_widget_stops_with_its_session():
+def test_a_newer_status_freezes_the_earlier_and_a_stop_freezes_the_last():
+    """Issue 40 item 4: one live status per session, the latest; an earlier one keeps what
+    it showed when the newer one appeared (scrolling back, a failure still reads as one),
+    and the live one stops at the session's stop, showing it stopped and no template."""
+
     class FakeSession:  # just what StatusWidget reads
         world_size = 2
         layout = ParallelLayout(2, tp=2)
         running = True
+        failed = False
 
         def status(self):
-            state = "idle" if self.running else "stopped"
-            return [fake_state(r, state, coords={"tp": r, "cp": 0, "dp": 0, "pp": 0})
-                    for r in range(2)]  # fmt: skip
+            states = (
+                ["stopped"] * 2
+                if not self.running
+                else ["idle", "failed" if self.failed else "idle"]
+            )
+            return [fake_state(r, s, coords={"tp": r, "cp": 0, "dp": 0, "pp": 0})
+                    for r, s in enumerate(states)]  # fmt: skip
+
+        def template_rss(self):
+            return 300 << 20 if self.running else None
+
+        def session_line(self, states):
+            return "stopped" if not self.running else ("ready" if not self.failed else "broken")
 
     session = FakeSession()
     first = viz.status_widget(session, interval=0.05)
-    assert viz.status_widget(session) is first and first.live
+    assert (
+        first.live
+        and first.title == "session ready · 2 ranks: 2 idle · warm template RSS 300.0 MiB"
+    )
+    session.failed = True
+    assert wait_for(lambda: first.states == ["idle", "failed"], 2)
+    second = viz.status_widget(session, interval=0.05)
+    assert second is not first and second.live and not first.live
+    shown = first.title
+    assert re.fullmatch(r"session broken · 2 ranks: 1 failed, 1 idle · warm template RSS "
+                        r"300\.0 MiB · as of \d\d:\d\d:\d\d", shown), shown  # fmt: skip
+    session.failed = False
+    assert wait_for(lambda: second.states == ["idle", "idle"], 2)
+    time.sleep(0.2)
+    assert first.states == ["idle", "failed"] and first.title == shown  # kept as it was
+    assert "infini-state-failed" in first.tiles[1].value
     session.running = False
-    assert wait_for(lambda: not first.live, 2)
-    assert first.states == ["stopped", "stopped"]
+    assert wait_for(lambda: not second.live, 2)
+    assert second.states == ["stopped", "stopped"]
+    assert second.title.startswith("session stopped · 2 ranks: 2 stopped · as of ")
+    assert "template" not in second.title
     viz.close_status_widgets()
 
 
@@ -364,6 +408,30 @@ def test_plot_busbw_one_panel_per_collective_one_line_per_group():
     assert list(tp.get_ydata()) == pytest.approx([1.25 / 16, 1.25 / 4, 1.25])  # mean of groups
     assert list(world.get_xdata()) == [1024, 4096, 16384]
     assert panels[0].get_ylabel() == "busbw (GB/s)"
+
+
+def test_busbw_figure_is_large_with_a_gridline_per_labeled_tick():
+    """Issue 40 item 8: one collective fills a 7.5 in wide figure; gridlines only at the
+    labeled ticks (no minor ones), at most 9 sizes labeled over a 4K:1G sweep, and
+    bandwidths written as numbers (0.01, not 10^-2)."""
+    rows = bench_frame()
+    sweep = pd.concat([rows[rows.collective == "all_reduce"].assign(size_bytes=s)
+                       for s in [2**k for k in range(12, 31)]])  # fmt: skip
+    fig = viz.plot_busbw(sweep)
+    assert tuple(fig.get_size_inches()) == (7.5, 4.6)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert len(ax.xaxis.get_minorticklocs()) == 0 and len(ax.yaxis.get_minorticklocs()) == 0
+    shown = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert 4 <= len(shown) <= 9, shown
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and not any("10^" in t or "$" in t for t in labels), labels
+    assert all(line.get_alpha() == 0.15 for line in ax.get_xgridlines()), "light gridlines"
+    assert tuple(viz.plot_busbw(bench_frame()).get_size_inches()) == (11.6, 4.0)  # 2 panels
+    narrow = viz.plot_busbw(rows.assign(busbw_gbps=rows.busbw_gbps * 0.01 + 0.02)).axes[0]
+    low, high = narrow.get_ylim()
+    labeled = [t for t in narrow.get_yticks() if low <= t <= high]
+    assert len(labeled) >= 2, labeled  # a range within a decade still has labels
 
 
 def test_bench_view_controls_redraw():
@@ -429,7 +497,7 @@ def test_groups_magic_plans_without_a_session(kernel):
     cell = kernel.run(f"%dist_groups {plan}")
     data = cell.outputs[0]["data"]
     assert WIDGET in data and data["text/html"].count('class="infini-group-tile"') == 64
-    assert data["text/plain"].splitlines()[2].startswith("dp0 pp0")
+    assert data["text/plain"].splitlines()[2].startswith("dp rank 0, pp rank 0")
     cell = kernel.run("%dist_groups --world 16 --tp 4 --color-by dp --ranks-per-host 8")
     assert "span hosts" in cell.outputs[0]["data"]["text/html"]
     bad = kernel.run("%dist_groups --world 6 --tp 4", allow_error=True)
@@ -446,7 +514,14 @@ def test_status_magic_and_session_value_show_the_widget(kernel):
         assert WIDGET in data, source
         assert data["text/html"].count('class="infini-rank-tile') == 2
         assert re.search(r"1\s+idle\s+tp1", data["text/plain"])
-    kernel.run("%dist_stop")
+    kernel.run(
+        "from infini_notebook.viz import status\nlive = status._status_widgets[dist_session]"
+    )
+    assert "warm template RSS" in text_of(kernel.run("print(live.title)"))
+    kernel.run("session = dist_session\n%dist_stop")
+    title = text_of(kernel.run("live._thread and live._thread.join(5)\nprint(live.title)"))
+    assert title.startswith("session stopped · 2 ranks: 2 stopped · as of "), title
+    assert "template" not in title and "spare" not in title, title  # they are gone
 
 
 def test_state_badges_and_group_tiles_keep_text_readable_in_any_theme():

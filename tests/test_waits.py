@@ -7,8 +7,8 @@ from infini_notebook.core import waits
 WORLD = [0, 1, 2, 3]
 
 
-def coll(op, ranks=WORLD, group="world", seq=7, line=4):
-    return {"op": op, "group": group, "ranks": ranks, "peer": None, "seq": seq,
+def coll(op, ranks=WORLD, group="world", seq=7, line=4, nth=None):
+    return {"op": op, "group": group, "ranks": ranks, "peer": None, "seq": seq, "nth": nth,
             "line": line, "in_cell": True, "func": "<module>"}  # fmt: skip
 
 
@@ -24,27 +24,45 @@ def test_point_to_point_waits_only_for_its_peer():
 
 
 def test_released_text_merges_ranks_that_wait_alike():
-    found = {r: coll("all_reduce") for r in (1, 2, 3)}
+    found = {r: coll("all_reduce", nth=1) for r in (1, 2, 3)}
     text = waits.released_text({1: [0], 2: [0], 3: [0]}, found, {0: "failed"}, "In[5]")
-    assert text == (
-        "ranks 1-3 were waiting for rank 0 in all_reduce #7 on the world group "
-        "(In[5], line 4): released"
+    assert text == (  # numbered within the cell, the group's number beside it (issue 40.5)
+        "ranks 1-3 were waiting for rank 0 in the cell's 1st all_reduce (#7 on the world "
+        "group) at In[5], line 4: released"
     )
+
+
+def test_a_wait_is_said_with_what_the_ranks_know_of_it():
+    assert waits.where(coll("all_reduce", nth=2)) == (
+        "the cell's 2nd all_reduce (#7 on the world group) at line 4 of the cell"
+    )
+    assert waits.where(coll("broadcast", group="tp"), "In[3]") == (
+        "broadcast (#7 on the tp group) at In[3], line 4"  # the recorder dropped the cell's
+    )
+    assert waits.where(dict(coll("barrier", seq=None), in_cell=False, func="step")) == (
+        "barrier on the world group in step(), line 4"
+    )
+    recv = {"op": "recv", "group": "world", "ranks": WORLD, "peer": 1, "seq": None, "line": 2,
+            "in_cell": True}  # fmt: skip
+    assert waits.where(recv, "In[9]") == "recv from rank 1 on the world group at In[9], line 2"
+    assert [waits.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "111th"
+    ]  # fmt: skip
 
 
 def test_released_text_names_a_rank_that_came_to_the_wait_after_the_release():
     found = {r: coll("all_reduce") for r in (1, 2)}
     text = waits.released_text({1: [0], 2: [0]}, found, {0: "failed"}, "In[5]", late=[3])
     assert text == (
-        "ranks 1-2 were waiting for rank 0 in all_reduce #7 on the world group "
-        "(In[5], line 4); rank 3 lost its connection to a rank that left: released"
+        "ranks 1-2 were waiting for rank 0 in all_reduce (#7 on the world group) at In[5], "
+        "line 4; rank 3 lost its connection to a rank that left: released"
     )
 
 
 def test_verdict_names_a_mismatch_and_ranks_not_in_the_collective():
     found = {0: coll("all_reduce"), 1: coll("all_reduce"), 2: coll("broadcast"), 3: None}
     text = waits.verdict(found)
-    assert text.startswith("ranks 0-1 in all_reduce #7 on the world group (line 4 of the cell)")
+    assert text.startswith("ranks 0-1 in all_reduce (#7 on the world group) at line 4 of the cell")
     assert "rank 3 computing (not in a collective)" in text
     assert "mismatch in the world group [0, 1, 2, 3]" in text and "rank 3 of the world" in text
 
@@ -52,7 +70,9 @@ def test_verdict_names_a_mismatch_and_ranks_not_in_the_collective():
 def test_matching_waits_are_no_mismatch():
     found = {0: coll("all_reduce", [0, 1], "tp"), 1: coll("all_reduce", [0, 1], "tp")}
     assert waits.mismatches(found) == []
-    assert waits.verdict(found) == "ranks 0-1 in all_reduce #7 on the tp group (line 4 of the cell)"
+    assert waits.verdict(found) == (
+        "ranks 0-1 in all_reduce (#7 on the tp group) at line 4 of the cell"
+    )
 
 
 def test_links_between_finds_a_ranks_connections_to_the_given_ranks_only():

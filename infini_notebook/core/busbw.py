@@ -206,15 +206,21 @@ def format_table(df: pd.DataFrame) -> str:
     attrs = df.attrs
     lines: list[str] = [f"# {attrs['caveat']}"] if attrs.get("caveat") else []
     for (coll, kind), block in df.groupby(["collective", "group"], sort=False):
-        sizes = sorted(set(block["group_size"]))
         lines.append(
-            f"# {coll} on {kind} groups of {'/'.join(map(str, sizes))} ranks"
+            f"# {coll} on {groups_text(kind, block)}"
             + (f", {attrs['iters']} iters, {attrs['warmup']} warm-up" if "iters" in attrs else "")
             + (f", timer {attrs['timer']}" if attrs.get("timer") else "")
         )
         lines += _block_lines(block)
-        lines.append(f"# Avg bus bandwidth    : {block['busbw_gbps'].mean():.4g} GB/s\n")
+        lines.append(f"# Avg bus bandwidth    : {three_digits(block['busbw_gbps'].mean())} GB/s\n")
     return "\n".join(lines).rstrip("\n")
+
+
+def groups_text(kind: str, block: pd.DataFrame) -> str:
+    """'the world group of 4 ranks', '2 tp groups of 2 ranks' (all run at once)."""
+    sizes = "/".join(map(str, sorted(set(block["group_size"]))))
+    n = len({tuple(r) for r in block["ranks"]})
+    return f"the {kind} group of {sizes} ranks" if n == 1 else f"{n} {kind} groups of {sizes} ranks"
 
 
 def _block_lines(block: pd.DataFrame) -> list[str]:

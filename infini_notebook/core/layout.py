@@ -129,12 +129,15 @@ class ParallelLayout:
 
         return layout_html(self)
 
+    def sizes_text(self) -> str:
+        """``tp 2 x dp 2 x pp 2``: the dims of size > 1 (``dp 1`` for one rank)."""
+        used = sorted(self.active_dims, key=DIMS.index) or ["dp"]
+        return " x ".join(f"{d} {getattr(self, d)}" for d in used)
+
     def describe(self) -> str:
         """``world 8 = tp 2 x dp 2 x pp 2 (order tp-cp-dp-pp)``: dims of size 1 left out."""
-        used = sorted(self.active_dims, key=DIMS.index) or ["dp"]
-        parts = " x ".join(f"{d} {getattr(self, d)}" for d in used)
         z = f", zero1 {self.zero1}" if self.zero1 else ""
-        return f"world {self.world_size} = {parts} (order {self.order}{z})"
+        return f"world {self.world_size} = {self.sizes_text()} (order {self.order}{z})"
 
     @property
     def _grid(self) -> np.ndarray:

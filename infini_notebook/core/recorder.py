@@ -94,13 +94,19 @@ def describe(dump: dict, entry: dict) -> dict:
     }
 
 
-def oldest_wait(dump: dict, collectives_only: bool = False) -> dict | None:
-    """What the rank waits in by the recorder (its oldest pending entry), or None."""
+def oldest_pending(dump: dict, collectives_only: bool = False) -> dict | None:
+    """The entry the rank waits in by the recorder (its oldest pending one), or None."""
     entries = pending(dump, collectives_only)
-    return describe(dump, entries[0]) if entries else None
+    return entries[0] if entries else None
 
 
-def newest_seq(dump: dict, group_name: str) -> int | None:
+def oldest_wait(dump: dict, collectives_only: bool = False) -> dict | None:
+    """What the rank waits in by the recorder, described, or None."""
+    entry = oldest_pending(dump, collectives_only)
+    return describe(dump, entry) if entry else None
+
+
+def newest_entry(dump: dict, group_name: str) -> dict | None:
     """The newest collective this rank enqueued on the group named ``group_name``: a group
     rebuilt by a restart may take an old group's name again, so by record id."""
     mine = [
@@ -108,4 +114,26 @@ def newest_seq(dump: dict, group_name: str) -> int | None:
         for e in dump.get("entries") or []
         if (e.get("process_group") or [None])[0] == group_name and e.get("collective_seq_id")
     ]
-    return max(mine, key=lambda e: e.get("record_id", 0))["collective_seq_id"] if mine else None
+    return max(mine, key=lambda e: e.get("record_id", 0)) if mine else None
+
+
+def nth_in_cell(dump: dict, entry: dict, since_ns: int | None, capacity: int) -> int | None:
+    """Which of the running cell's calls of its kind on its group ``entry`` is (1: the
+    cell's first all_reduce there), counting the entries made since the cell started
+    (``since_ns``, on time.time_ns()'s clock, as the recorder's ``time_created_ns``). None
+    when not known: no cell start, a p2p entry, or a recorder that may have dropped some of
+    the cell's entries (it keeps the last ``capacity``, and all of them are the cell's)."""
+    entries = dump.get("entries") or []
+    if since_ns is None or entry.get("is_p2p"):
+        return None
+    if len(entries) >= capacity and all(e.get("time_created_ns", 0) >= since_ns for e in entries):
+        return None
+    same = [
+        e
+        for e in entries
+        if e.get("time_created_ns", 0) >= since_ns
+        and e.get("process_group") == entry.get("process_group")
+        and e.get("profiling_name") == entry.get("profiling_name")
+        and e.get("record_id", 0) <= entry.get("record_id", 0)
+    ]
+    return len(same) or None

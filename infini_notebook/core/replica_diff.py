@@ -26,6 +26,9 @@ class Row:
     ranks: list[int]  # the ranks that differ from their reference (or hold NaN/Inf)
     what: str
     max_abs_diff: float | None = None
+    # each differing rank's reference (the rank it was compared with); none for a leaf
+    # missing somewhere or holding NaN/Inf, which is wrong on its own
+    against: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,12 +95,13 @@ def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | Non
         odd = [r for r in ranks[1:] if found[r].get(key) != first.get(key)]
         if odd:
             seen = ", ".join(f"{found[r].get(key)}" for r in [ranks[0], *odd])
-            return Row(group, path, odd, f"{key} differs: {seen}")
+            return Row(group, path, odd, f"{key} differs: {seen}", against=_first(ranks, odd))
     if first["kind"] != "tensor":
         odd = [r for r in ranks[1:] if found[r]["sum"] != first["sum"]]
         if odd:
             values = ", ".join(found[r]["value"] for r in [ranks[0], *odd])
-            return Row(group, path, odd, f"value differs (compared by equality): {values}")
+            what = f"value differs (compared by equality): {values}"
+            return Row(group, path, odd, what, against=_first(ranks, odd))
         return None
     bad = [r for r in ranks if found[r].get("nan") or found[r].get("inf")]
     if bad:
@@ -106,6 +110,10 @@ def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | Non
         ]
         return Row(group, path, bad, f"{' and '.join(words)} present")
     return None
+
+
+def _first(ranks: list[int], odd: list[int]) -> dict[int, int]:
+    return dict.fromkeys(odd, ranks[0])
 
 
 def _references(
@@ -151,9 +159,8 @@ def _values_row(
     if not odd:
         return None
     others = sorted({g for r, (_, g) in against.items() if r in odd and g != group})
-    return Row(
-        group, path, sorted(odd), " ".join(["values differ", *(f"from {g}" for g in others)])
-    )
+    what = " ".join(["values differ", *(f"from {g}" for g in others)])
+    return Row(group, path, sorted(odd), what, against={r: against[r][0] for r in sorted(odd)})
 
 
 def drop_within(rows: list[Row], atol: float) -> list[Row]:
@@ -172,28 +179,54 @@ def drop_within(rows: list[Row], atol: float) -> list[Row]:
 def summary(comparison: Comparison, rows: list[Row], kind: str, ngroups: int) -> str:
     """'all 24 tensors identical across 2 dp groups', or how many leaves differ where; and,
     for DTensors, what was compared."""
-    groups = f"{ngroups} {kind} group{'s' if ngroups != 1 else ''}"
+    groups = count(ngroups, f"{kind} group")
     how = list(comparison.dtensors.values())
     compared = len(comparison.tensors) - how.count("once")
-    leaves = f"{compared} tensors"
+    parts = [count(compared, "tensor")] if compared or not comparison.values else []
     if comparison.values:
-        leaves += f" and {len(comparison.values)} other values"
+        parts.append(count(len(comparison.values), "other value" if parts else "value"))
+    leaves = " and ".join(parts)
     if rows:
         bad_groups = len({r.group for r in rows})
-        s = "s" if len(rows) != 1 else ""
-        line = f"{len(rows)} difference{s} in {bad_groups} of {groups} (of {leaves} each)"
+        line = f"{count(len(rows), 'difference')} in {bad_groups} of {groups} (of {leaves} each)"
+    elif compared + len(comparison.values) == 1:
+        line = f"{leaves} identical across {groups}"
     elif compared or comparison.values:
         line = f"all {leaves} identical across {groups}"
     else:
         line = f"nothing to compare across {groups}"
     notes = []
     if how.count("parts"):
-        notes.append(f"{how.count('parts')} DTensors compared between ranks holding the same part")
+        notes.append(f"{count(how.count('parts'), 'DTensor')} compared between ranks holding "
+                     "the same part")  # fmt: skip
     if how.count("groups"):
         notes.append(
-            f"{how.count('groups')} DTensors sharded over each {kind} group: each group's whole "
-            "tensor compared with the first group's"
+            f"{count(how.count('groups'), 'DTensor')} sharded over each {kind} group: each "
+            "group's whole tensor compared with the first group's"
         )
     if how.count("once"):
-        notes.append(f"{how.count('once')} DTensors with each part on one rank only: not compared")
+        notes.append(
+            f"{count(how.count('once'), 'DTensor')} with each part on one rank only: not compared"
+        )
     return line + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def count(n: int, noun: str) -> str:
+    """'1 tensor', '4 tensors'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+COLUMNS = ("group", "leaf", "ranks", "compared_with", "max_abs_diff", "what")
+
+
+def table(rows: list[Row], expression: str) -> list[tuple]:
+    """The table's rows (COLUMNS): the leaf by its path in ``expression``, or by the name
+    itself for a plain tensor or value; the ranks that differ; the ranks they were compared
+    with ("-" where the leaf is wrong on its own: missing, NaN or Inf)."""
+    out = []
+    for r in rows:
+        refs = sorted(set(r.against.values()))
+        against = rank_label(refs)[1:-1] if refs else "-"
+        leaf = r.leaf or expression
+        out.append((r.group, leaf, rank_label(r.ranks)[1:-1], against, r.max_abs_diff, r.what))
+    return out

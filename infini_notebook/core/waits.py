@@ -3,8 +3,9 @@
 finish, and the sentences that say so.
 
 A wait is a dict: op, group (label), ranks (the group's global ranks), peer (send/recv),
-seq (the collective's number in its group, when the Flight Recorder knows), line, in_cell,
-func.
+seq (the collective's number in its group, when the Flight Recorder knows), nth (which of
+the running cell's calls of that op on that group it is, where the recorder still holds
+them all), line, in_cell, func.
 """
 
 from __future__ import annotations
@@ -52,20 +53,31 @@ def links_between(links: Mapping[int, list], rank: int, peers) -> list:
 
 
 def where(wait: Mapping, cell: str = "") -> str:
-    """'all_reduce #7 on the tp group (In[5], line 4)'."""
-    seq = f" #{wait['seq']}" if wait.get("seq") else ""
-    group = wait.get("group") or "world"
-    place = f"{wait['op']}{seq} on the {group} group"
+    """Where a rank waits: 'the cell's 1st all_reduce (#7 on the tp group) at In[5], line 4',
+    numbered within the cell where the ranks know (the group's own number beside it)."""
+    group, op = wait.get("group") or "world", wait["op"]
     if wait.get("peer") is not None:
-        verb = "to" if wait["op"].startswith(("send", "isend")) else "from"
-        place = f"{wait['op']} {verb} rank {wait['peer']} on the {group} group"
+        verb = "to" if op.startswith(("send", "isend")) else "from"
+        place = f"{op} {verb} rank {wait['peer']} on the {group} group"
+    elif wait.get("seq") and wait.get("nth"):
+        place = f"the cell's {ordinal(wait['nth'])} {op} (#{wait['seq']} on the {group} group)"
+    elif wait.get("seq"):
+        place = f"{op} (#{wait['seq']} on the {group} group)"
+    else:
+        place = f"{op} on the {group} group"
     line = wait.get("line")
     if line is not None:
         if wait.get("in_cell"):
-            place += f" ({cell}, line {line})" if cell else f" (line {line} of the cell)"
+            place += f" at {cell}, line {line}" if cell else f" at line {line} of the cell"
         else:
-            place += f" (in {wait.get('func', '?')}, line {line})"
+            place += f" in {wait.get('func', '?')}(), line {line}"
     return place
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, 11th, 12th, 21st."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def released_text(
@@ -75,9 +87,10 @@ def released_text(
     cell: str = "",
     late: Sequence[int] = (),
 ) -> str:
-    """'ranks 1-3 were waiting for rank 0 in all_reduce on the world group (In[5], line 4):
-    released', one clause per distinct wait, ranks merged. ``late``: ranks that came to a
-    wait only after the release had closed their peers' connections (never seen waiting)."""
+    """'ranks 1-3 were waiting for rank 0 in the cell's 1st all_reduce (#3 on the world
+    group) at In[5], line 4: released', one clause per distinct wait, ranks merged.
+    ``late``: ranks that came to a wait only after the release had closed their peers'
+    connections (never seen waiting)."""
     by_place: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r, needed in sorted(blocked.items()):
         by_place.setdefault((where(waits[r], cell), tuple(needed)), []).append(r)
@@ -93,8 +106,8 @@ def released_text(
 
 def verdict(waits: Mapping[int, Mapping | None], cell: str = "") -> str:
     """Where every running rank waits, merged by place, with what does not match within a
-    group: 'ranks 0-1 in all_reduce #7 on the tp group; ranks 2-3 in broadcast #7 on the
-    tp group: mismatch in the tp group [0, 1, 2, 3]'."""
+    group: 'ranks 0-1 in all_reduce (#7 on the tp group); ranks 2-3 in broadcast (#7 on
+    the tp group): mismatch in the tp group [0, 1, 2, 3]'."""
     places: dict[str, list[int]] = {}
     for r, wait in sorted(waits.items()):
         place = f"in {where(wait, cell)}" if wait else "computing (not in a collective)"

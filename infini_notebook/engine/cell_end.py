@@ -34,7 +34,10 @@ import threading
 import time
 
 _lock = threading.Lock()
-_state: dict = {"in_cell": False, "why": None}  # why: the release of the running cell
+# why: the release of the running cell; started_ns: when it started (time.time_ns(), the
+# Flight Recorder's clock: a wait is numbered within the cell by it); armed: a
+# release's exception was set for the cell's thread (raised by now, or still to fire)
+_state: dict = {"in_cell": False, "why": None, "started_ns": None, "armed": False}
 _watchers: list = []  # called with "start" as a cell's code starts, "end" once it ended
 
 
@@ -56,7 +59,13 @@ def install(shell) -> None:
         from .cell_names import notebook_number
 
         with _lock:
-            _state.update(in_cell=True, why=None, since=time.time(), number=notebook_number(shell))
+            _state.update(
+                in_cell=True,
+                why=None,
+                started_ns=time.time_ns(),
+                since=time.time(),
+                number=notebook_number(shell),
+            )
         _tell("start")
         try:
             result = await original(*args, **kwargs)
@@ -109,9 +118,11 @@ def finish(succeeded: bool) -> BaseException | None:
     while True:  # a release just before the lock: its exception fires here; then retry
         try:
             with _lock:
-                _set_async_exc(None)  # none may fire later, in the kernel's own loop
-                _state["in_cell"] = False
+                _state["in_cell"] = False  # from here on no release raises into the thread
                 why, _state["why"] = _state["why"], None
+                armed, _state["armed"] = _state["armed"], False
+            if armed:
+                _deliver_pending()  # none may fire later, in the kernel's own loop
             break
         except RankReleased as e:
             error = error or e
@@ -136,6 +147,11 @@ def running_cell() -> dict | None:
         return {"number": _state.get("number"), "since": _state.get("since")}
 
 
+def started_ns() -> int | None:
+    """When the running cell started (time.time_ns()); None outside a cell."""
+    return _state["started_ns"] if _state["in_cell"] else None
+
+
 def release(why: str, interrupt: bool) -> bool:
     """From the answering thread, as this rank's wait is released: the running cell fails
     with ``why`` at its end; with ``interrupt`` (NCCL, asked before the abort: a sync may
@@ -149,6 +165,7 @@ def release(why: str, interrupt: bool) -> bool:
         _state["why"] = why
         if interrupt and parked_in_wait(sys._current_frames().get(threading.main_thread().ident)):
             _set_async_exc(RankReleased)
+            _state["armed"] = True
         return True
 
 
@@ -206,12 +223,19 @@ def _leaving_a_with(frame) -> bool:
 
 
 def _set_async_exc(exc) -> None:
-    """Raise ``exc`` (a class) in the cell's thread at its next bytecode; None: clear one
-    not raised yet (ctypes passes None as NULL)."""
+    """Raise ``exc`` (a class) in the cell's thread at its next bytecode."""
     ident = ctypes.c_ulong(threading.main_thread().ident)
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ident, None if exc is None else ctypes.py_object(exc)
-    )
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(exc))
+
+
+def _deliver_pending() -> None:
+    """Let an asynchronous exception set for this thread and not raised yet fire now: the
+    interpreter checks at a backward jump. Not cleared with ``PyThreadState_SetAsyncExc(id,
+    NULL)``: CPython 3.11 then leaves its eval breaker set for good (``_PyEval_SignalAsyncExc``
+    signals even for NULL, and only a raised one unsignals it), and under a tracer every
+    function call spins on it (pdb's ``n`` or ``s`` hung the rank in any later cell)."""
+    for _ in range(2):
+        pass
 
 
 POLL_MAX_S = 0.05

@@ -86,7 +86,7 @@ def answer(question: str, scratch) -> str:
     if question == "clock":  # %%dist_profile's clock samples
         return str(time.time_ns())
     if question == "wait":
-        return json.dumps(wait_probe.current_wait())
+        return json.dumps(wait_probe.current_wait(cell_end.started_ns()))
     if question == "info":  # a kernel attaching a kept session (see launch/keep.py)
         return json.dumps(
             dict(_described, attempt=_attempt[0] if _attempt else 0, cell=cell_end.running_cell())

@@ -15,6 +15,12 @@ another local user writes is dropped, never typed into the prompt. One
 append is one store operation, so a question is either there whole or not at all: a Stop,
 a release or a dying rank can never leave a gap that later questions queue behind.
 Polled with short sleeps, so that the Stop button's SIGINT reaches the waiting rank.
+
+pdb on a rank is ``RankPdb`` (``pdb.Pdb`` is replaced, so ``breakpoint()``, ``pdb.set_trace``
+and torch's own debugger class, made from ``pdb.Pdb`` when called, all get it): a debugger
+entered from inside torch.distributed (``torch.distributed.breakpoint(rank=1)``, another
+wrapper there) starts in the frame that called it, where the user's names are, instead of in
+torch's; and stepping skips torch.distributed's own frames (bdb's ``skip`` patterns).
 """
 
 from __future__ import annotations
@@ -53,7 +59,56 @@ def install(kernel, cfg: dict) -> bool:
     kernel.raw_input = lambda prompt="": ask(str(prompt))
     kernel.getpass = lambda prompt="", stream=None, **_: ask(str(prompt), password=True)
     sys.stdin = NotebookStdin()
+    install_pdb()
     return True
+
+
+# Modules whose frames a debugger started in them leaves for their caller's, and whose
+# frames stepping skips: torch.distributed calls pdb on the user's behalf.
+SKIP = ("torch.distributed", "torch.distributed.*")
+# torch.distributed.breakpoint's hint (torch/distributed/__init__.py), wrong once pdb
+# starts in the caller's frame: left out
+TORCH_HINT = "Type 'up' to get to the frame that called dist.breakpoint"
+
+
+def install_pdb() -> None:
+    """Make ``pdb.Pdb`` this rank's ``RankPdb`` (once)."""
+    import pdb
+
+    if getattr(pdb.Pdb, "infini_rank_pdb", False):
+        return
+
+    class RankPdb(pdb.Pdb):
+        """pdb that starts in the first frame outside SKIP's modules: the one that called
+        ``torch.distributed.breakpoint`` rather than torch's own."""
+
+        infini_rank_pdb = True
+
+        def __init__(self, *args, skip=None, **kwargs):
+            super().__init__(*args, skip=[*SKIP, *(skip or ())], **kwargs)
+            self._entered = None  # the frame set_trace was called from, until it stops
+
+        def set_trace(self, frame=None):
+            self._entered = frame or sys._getframe().f_back
+            super().set_trace(self._entered)
+
+        def stop_here(self, frame):  # the first stop: in the frame set_trace came from
+            return frame is self._entered or super().stop_here(frame)
+
+        def interaction(self, frame, traceback):
+            if frame is not None and frame is self._entered:
+                self._entered = None
+                while frame.f_back is not None and self.is_skipped_module(
+                    frame.f_globals.get("__name__")
+                ):
+                    frame = frame.f_back  # shown at its call: "-> dist.breakpoint(rank=1)"
+            super().interaction(frame, traceback)
+
+        def message(self, msg):
+            if TORCH_HINT not in str(msg):
+                super().message(msg)
+
+    pdb.Pdb = RankPdb
 
 
 class NotebookStdin(io.TextIOBase):

@@ -46,10 +46,12 @@ def flight_recorder_env(torch_version: str) -> dict[str, str]:
     return {"TORCH_FR_BUFFER_SIZE": n, "TORCH_NCCL_TRACE_BUFFER_SIZE": n}
 
 
-def current_wait() -> dict | None:
+def current_wait(cell_started_ns: int | None = None) -> dict | None:
     """The torch.distributed call the main (cell) thread is in, or None (computing, idle).
     Keys: op, group (its label), ranks (the group's global ranks), peer (send/recv),
-    seq (the collective's number in its group, from the Flight Recorder), line, func."""
+    seq (the collective's number in its group, from the Flight Recorder), nth (which of the
+    cell's calls of that op on that group, counted from ``cell_started_ns``, on
+    time.time_ns()'s clock: cell_end.started_ns()), line, func."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     call, cell = None, []
     while frame is not None:
@@ -60,8 +62,8 @@ def current_wait() -> dict | None:
             cell.append(frame)
         frame = frame.f_back
     if call is None:  # NCCL returns at once; the cell then blocks in a sync (x.item())
-        return _pending_in_flight_recorder()
-    wait = _describe_call(call)
+        return _pending_in_flight_recorder(cell_started_ns)
+    wait = _describe_call(call, cell_started_ns)
     if cell:  # innermost cell frame: the user's line; outermost: the running cell itself
         wait["line"] = cell[0].f_lineno
         wait["in_cell"] = cell[0].f_code.co_filename == cell[-1].f_code.co_filename
@@ -69,7 +71,7 @@ def current_wait() -> dict | None:
     return wait
 
 
-def _describe_call(frame) -> dict:
+def _describe_call(frame, cell_started_ns: int | None = None) -> dict:
     import torch.distributed as dist
 
     op = frame.f_code.co_name
@@ -87,7 +89,7 @@ def _describe_call(frame) -> dict:
             peer = ranks[local[f"group_{_PEER_ARG[op]}"]] if ranks else None
         wait["peer"] = peer
     else:
-        wait["seq"] = _pending_seq(pg)
+        wait.update(_numbers(pg, cell_started_ns))
     return wait
 
 
@@ -109,12 +111,17 @@ def group_label(pg) -> str:
         return "a group"
 
 
-def _pending_seq(pg) -> int | None:
-    """The newest collective this rank enqueued on ``pg``, by the Flight Recorder."""
+def _numbers(pg, cell_started_ns: int | None) -> dict:
+    """The newest collective this rank enqueued on ``pg``, by the Flight Recorder: its
+    number in the group (seq) and among the cell's calls of its kind there (nth)."""
     from ..core import recorder
 
-    dump = flight_recorder_dump()
-    return recorder.newest_seq(dump, getattr(pg, "group_name", None)) if dump else None
+    dump = flight_recorder_dump(only_active=False)
+    entry = recorder.newest_entry(dump, getattr(pg, "group_name", None)) if dump else None
+    if entry is None:
+        return {"seq": None}
+    nth = recorder.nth_in_cell(dump, entry, cell_started_ns, FLIGHT_RECORDER_ENTRIES)
+    return {"seq": entry["collective_seq_id"], "nth": nth}
 
 
 def flight_recorder_dump(entries: bool = True, only_active: bool = True) -> dict | None:
@@ -154,7 +161,7 @@ def _host(ip: str) -> str:
     return ip.removeprefix("::ffff:")  # an IPv4 peer seen through an IPv6 socket
 
 
-def _pending_in_flight_recorder() -> dict | None:
+def _pending_in_flight_recorder(cell_started_ns: int | None = None) -> dict | None:
     """The oldest collective the Flight Recorder holds as pending (see core/recorder.py):
     NCCL calls return at once and the cell then blocks in a sync (``x.item()``), and a gloo
     cell may wait in ``work.wait()`` of an ``async_op`` collective."""
@@ -164,10 +171,12 @@ def _pending_in_flight_recorder() -> dict | None:
 
     if not dist.is_initialized():
         return None
-    dump = flight_recorder_dump()
-    wait = recorder.oldest_wait(dump) if dump else None
-    if wait is None:
+    dump = flight_recorder_dump(only_active=False)  # all: the cell's earlier calls number it
+    entry = recorder.oldest_pending(dump) if dump else None
+    if entry is None:
         return None
+    wait = recorder.describe(dump, entry)
+    wait["nth"] = recorder.nth_in_cell(dump, entry, cell_started_ns, FLIGHT_RECORDER_ENTRIES)
     name = wait.pop("name")
     if not wait["ranks"]:  # pg_config may not name the group's ranks
         wait["ranks"] = _group_ranks(name, wait["group"])

@@ -6,8 +6,15 @@ their group."""
 from __future__ import annotations
 
 from ..core.errors import DistUsageError
-from ..core.ranks import rank_label
-from ..core.replica_diff import Comparison, compare, drop_within, summary, unreadable
+from ..core.replica_diff import (
+    COLUMNS,
+    Comparison,
+    compare,
+    drop_within,
+    summary,
+    table,
+    unreadable,
+)
 from ..engine import replica_check
 
 
@@ -34,10 +41,7 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
     comparison = compare({r: d["leaves"] for r, d in got.items()}, groups, kind)
     _measure(s, expression, comparison)
     rows = drop_within(comparison.rows, atol)
-    df = pd.DataFrame(
-        [(r.group, r.leaf, rank_label(r.ranks)[1:-1], r.max_abs_diff, r.what) for r in rows],
-        columns=["group", "leaf", "ranks", "max_abs_diff", "what"],
-    )
+    df = pd.DataFrame(table(rows, expression), columns=list(COLUMNS))
     return summary(comparison, rows, kind, len(groups)), df
 
 

@@ -319,7 +319,7 @@ def _rebuild_groups(s) -> str:
         s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})", HARD_FIX)
         return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
     return (
-        "The process groups were rebuilt (variables kept): `groups` and `mesh` are new; "
+        "The process groups were rebuilt (variables kept), so `groups` and `mesh` are new: "
         "re-create what you built on the old ones (DDP or FSDP modules, your own DeviceMesh "
         "or new_group)."
     )
@@ -355,8 +355,8 @@ def _advice(s, result: CellResult) -> str:
     """What to do next, for failures that leave the process groups unusable."""
     if result.timed_out:
         return (
-            ". A collective timed out: the failing ranks waited for peers that never joined; "
-            f"their tracebacks show where. {_restart_advice(s)}"
+            ". A collective timed out: the failing ranks waited for peers that never joined "
+            f"(their tracebacks show where). {_restart_advice(s)}"
         )
     return ""
 

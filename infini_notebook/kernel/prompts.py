@@ -1,6 +1,6 @@
 """Kernel side of a rank's stdin (engine/stdin_relay.py): while a cell runs, the questions
 its ranks ask are answered one at a time, in the order asked, in Jupyter's own input box
-labeled with the rank (``[rank 1] (Pdb) ``), after the output the rank printed before it.
+labeled with the rank (``[rank 1] (Pdb)``), after the output the rank printed before it.
 
 Waiting for a human is not a hang: the cell's loop is parked in the input box, so nothing
 is released and no wait is reported meanwhile; the rank shows "at a prompt" in
@@ -51,8 +51,8 @@ class Prompts:
         from IPython.core.error import StdinNotImplementedError  # what ipykernel raises
 
         self.s.book.set_prompt(rank, True)
-        try:
-            value = ask(f"{rank_label([rank])} {prompt}", password)
+        try:  # no trailing space: JupyterLab adds one before the answer it echoes
+            value = ask(f"{rank_label([rank])} {prompt}".rstrip(), password)
         except EOFError:
             return {"eof": True}
         except KeyboardInterrupt:  # the Stop button ends the prompt, not the whole cell:
@@ -79,7 +79,7 @@ def why_no_input() -> str:
 
 
 NO_STDIN = (
-    "the front end that ran the cell takes no input (as nbclient without allow_stdin); "
+    "the front end that ran the cell takes no input (as nbclient without allow_stdin): "
     "run it in JupyterLab, Notebook or VS Code"
 )
 

@@ -28,7 +28,8 @@ _EXPORTS = {
         "WIDGET_MIME", "col_label", "color_kinds", "coords_label", "default_color_kind", "esc",
         "focus_kinds", "format_bytes", "grid_shape", "group_index", "group_tiles",
         "groups_legend", "hosts_by_block", "layout_html", "layout_mimebundle", "layout_text",
-        "row_label", "selection_text", "size_label", "spanning_groups",
+        "positions",
+        "row_label", "selection_text", "size_label", "spanning_groups", "table_bundle",
     ),
     "status_render": (
         "BUSY_SHOWN_AFTER_S", "STATE_COLORS", "device_label", "device_text", "state_text",

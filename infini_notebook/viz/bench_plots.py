@@ -39,6 +39,8 @@ THEMED_RC = dict.fromkeys(_TEXT_AND_LINES, FG_MARK) | {
 }
 SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "infini"}  # text as text; stable ids
 METRICS = {"busbw_gbps": "busbw (GB/s)", "algbw_gbps": "algbw (GB/s)"}
+PANEL_SIZE = (7.5, 4.6)  # inches, one collective; several: two panels a row, a bit smaller
+MAX_SIZE_TICKS = 9  # message sizes labeled on the x axis (powers of 2, thinned to fit)
 
 
 def bench_curves(
@@ -67,10 +69,11 @@ def plot_busbw(
     from matplotlib.figure import Figure
 
     collectives = [collective] if collective else list(dict.fromkeys(df["collective"]))
-    ncols = min(3, max(1, len(collectives)))
+    ncols = min(2, max(1, len(collectives)))
     nrows = math.ceil(len(collectives) / ncols) if collectives else 1
+    width, height = PANEL_SIZE if ncols == 1 else (5.8, 4.0)
     with rc_context(THEMED_RC):  # artists take their colors when made
-        fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), layout="constrained")
+        fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
         axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
         for ax, name in zip(axes, collectives):
             _plot_curves(ax, bench_curves(df, name, metric, group), metric)
@@ -90,21 +93,25 @@ def _plot_curves(ax, curves: dict[str, pd.DataFrame], metric: str) -> None:
         ax.plot(c["size_bytes"], c["mean"], marker="o", ms=3, label=name, color=color)
         if (c["max"] > c["min"]).any():
             ax.fill_between(c["size_bytes"], c["min"], c["max"], alpha=0.2, color=color)
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2, numticks=MAX_SIZE_TICKS))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: size_label(x)))
     if all((c["min"] > 0).all() for c in curves.values()) and curves:
         ax.set_yscale("log")  # small messages are orders of magnitude slower
-    ax.xaxis.set_major_formatter(_size_formatter())
+        low = min(c["min"].min() for c in curves.values())
+        high = max(c["max"].max() for c in curves.values())
+        subs = (1.0,) if high / low >= 100 else (1.0, 2.0, 5.0)  # a few labels in any range
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_locator(NullLocator())  # one gridline per labeled tick, no more
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel(METRICS.get(metric, metric))
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.15)
     if curves:
-        ax.legend(title="group", fontsize=8, title_fontsize=8)
-
-
-def _size_formatter():
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda x, _pos: size_label(x))
+        ax.legend(title="group", fontsize=9, title_fontsize=9)
 
 
 def p2p_heatmap(

@@ -63,7 +63,8 @@ CSS = f"""
 .infini-rank-tile .infini-usage {{ font-variant-numeric: tabular-nums; }}
 .infini-group-tile.jupyter-button {{ white-space: pre; height: auto; line-height: 1.35;
   padding: 6px 4px; font-size: 12px; border-radius: 6px; color: #111 !important; }}
-.infini-group-tile.infini-dim {{ opacity: 0.35; }}
+.infini-group-tile.infini-dim, .infini-group-tile.jupyter-button.infini-dim {{
+  background: {BG} !important; color: {FG} !important; font-weight: normal; }}
 .infini-grid-head {{ font-size: 12px; color: {FG}; font-weight: 600; text-align: center;
   align-self: center; }}
 .infini-title {{ font-size: 13px; font-weight: 600; margin: 2px 0 4px 0; color: {FG}; }}
@@ -151,10 +152,11 @@ def coords_label(coords: Mapping[str, int], layout: LayoutLike | None = None) ->
 
 
 def col_label(layout: LayoutLike, shape: GridShape, col: int) -> str:
+    """What a column's ranks share: their rank within each column dim's group ('tp rank 1':
+    a position in every tp group, not a tp group; those are the rows)."""
     if not shape.row_dims and layout.world_size > shape.ncols:
         return str(col)  # a wrapped single dim: columns are offsets within the row
-    coords = layout.coords(col)
-    return " ".join(f"{d}{coords[d]}" for d in reversed(shape.col_dims)) or "rank"
+    return positions(layout.coords(col), shape.col_dims) or "rank"
 
 
 def row_label(layout: LayoutLike, shape: GridShape, row: int) -> str:
@@ -164,8 +166,12 @@ def row_label(layout: LayoutLike, shape: GridShape, row: int) -> str:
             return ""
         dim = shape.col_dims[0] if shape.col_dims else "rank"
         return f"{dim} {first}-{first + shape.ncols - 1}"
-    coords = layout.coords(first)
-    return " ".join(f"{d}{coords[d]}" for d in reversed(shape.row_dims))
+    return positions(layout.coords(first), shape.row_dims)
+
+
+def positions(coords: Mapping[str, int], dims: Sequence[str]) -> str:
+    """'pp rank 1, dp rank 0': the rank within each dim's group, slowest dim first."""
+    return ", ".join(f"{d} rank {coords[d]}" for d in reversed(dims))
 
 
 def default_color_kind(layout: LayoutLike) -> str:
@@ -313,8 +319,10 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def tile_css(tile: GroupTile) -> dict[str, str]:
-    """Border for a tile: selected solid, its group dashed, other shared groups dotted,
-    groups that span hosts red; tiles unrelated to the selection fade (``opacity``)."""
+    """Border and colors of a tile: selected solid, its group dashed, other shared groups
+    dotted, groups that span hosts red. A tile unrelated to the selection steps back: the
+    theme's background and text (readable in any theme, where a faded pastel was not in a
+    dark one), its group's color kept as a dashed border."""
     border = "1px solid #bbb"
     if tile.selected:
         border = "3px solid #111"
@@ -322,9 +330,13 @@ def tile_css(tile: GroupTile) -> dict[str, str]:
         border = "3px dashed #111"
     elif tile.shared:
         border = "2px dotted #333"
+    elif tile.dim:
+        border = f"2px dashed {tile.color}"
     if tile.spans_hosts and not (tile.selected or tile.in_selected_group or tile.shared):
         border = "2px solid #c0392b"
-    return {"border": border, "opacity": "0.35" if tile.dim else "1"}
+    if tile.dim:
+        return {"border": border, "background": BG, "color": FG}
+    return {"border": border, "background": tile.color, "color": "#111"}
 
 
 def layout_html(
@@ -346,10 +358,11 @@ def layout_html(
         cells = []
         for tile in tiles[row * shape.ncols : (row + 1) * shape.ncols]:
             css = tile_css(tile)
+            dim = " infini-dim" if tile.dim else ""
             cells.append(
-                f'<td><div class="infini-group-tile" data-rank="{tile.rank}" '
-                f'style="background:{tile.color};border:{css["border"]};opacity:{css["opacity"]}">'
-                f"{esc(tile.label)}</div></td>"
+                f'<td><div class="infini-group-tile{dim}" data-rank="{tile.rank}" '
+                f'style="background:{css["background"]};color:{css["color"]};'
+                f'border:{css["border"]}">{esc(tile.label)}</div></td>'
             )
         label = esc(row_label(layout, shape, row))
         rows.append(f'<tr><th class="infini-grid-head">{label}</th>{"".join(cells)}</tr>')
@@ -396,6 +409,15 @@ def group_name(i: int) -> str:
         i, rem = divmod(i - 1, 26)
         name = chr(65 + rem) + name
     return name
+
+
+def table_bundle(df: Any, missing: str = "-") -> dict:
+    """A DataFrame shown as a table of its rows only: no index column (its 0, 1, ... mean
+    nothing to a reader), ``missing`` where a value is NaN or None."""
+    return {
+        "text/html": df.to_html(index=False, na_rep=missing),
+        "text/plain": df.to_string(index=False, na_rep=missing),
+    }
 
 
 def layout_mimebundle(layout: LayoutLike, **kw) -> dict:

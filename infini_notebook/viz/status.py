@@ -1,6 +1,8 @@
 """``StatusWidget``: live tiles, one per rank, refreshed by a background thread from a status
-source (the session, duck-typed: viz never imports the cluster), and the registry that shares
-one widget per session between ``%dist_status`` and the session's own display."""
+source (the session, duck-typed: viz never imports the cluster), and the registry that keeps
+one live widget per session: the latest shown (``%dist_status`` or the session's own
+display). An earlier one is frozen as a newer one appears, and the live one as the session
+stops, each keeping what it showed then, so scrolling back reads the past as it was."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class StatusWidget(widgets.VBox):
         self.interval = interval
         self.layout_ = _session_layout(session)
         self.states: list[str] = []
+        self.title = ""  # the summary line it shows
         self._busy_since: dict[int, float] = {}  # rank -> when this widget first saw it busy
         self.summary = widgets.HTML()
         self.tiles = [widgets.HTML() for _ in range(session.world_size)]
@@ -75,12 +78,24 @@ class StatusWidget(widgets.VBox):
                 self._busy_since.pop(rs.rank, None)
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
-        summary = status_summary(states, *_helpers(self.session, states))
-        self.summary.value = f'<div class="infini-title">{esc(summary)}</div>'
+        self._show_title(status_summary(states, *_helpers(self.session, states)))
         # Last: whoever waits on ``states`` then finds the tiles and summary of this poll
         # (set first, they once showed a poll behind the states).
         self.states = [rs.state for rs in states]
         return states
+
+    def _show_title(self, title: str) -> None:
+        self.title = title
+        self.summary.value = f'<div class="infini-title">{esc(title)}</div>'
+
+    def freeze(self) -> None:
+        """Stop updating: the tiles keep what they show, the line says since when."""
+        self.stop()
+        self._freeze_title()
+
+    def _freeze_title(self) -> None:
+        if " · as of " not in self.title:
+            self._show_title(f"{self.title} · as of {time.strftime('%H:%M:%S')}")
 
     @property
     def live(self) -> bool:
@@ -95,12 +110,14 @@ class StatusWidget(widgets.VBox):
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
+            running = self.session.running  # before the poll: a stop during it is seen next
             try:
                 self.refresh()
             except Exception:  # a poll must never kill the kernel's display; try again
                 continue
-            if not self.session.running:
-                return  # the last refresh showed "stopped"
+            if not running:  # this poll began after the stop: it shows "stopped"
+                self._freeze_title()
+                return
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop polling and wait for the thread."""
@@ -146,14 +163,13 @@ _status_widgets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def status_widget(session: StatusSource, interval: float = 0.5) -> StatusWidget:
-    """The session's status widget, made once and shared (``%dist_status`` and the session's
-    own display show the same live tiles, like dask's cluster widget)."""
-    widget = _status_widgets.get(session)
-    if widget is None or widget.comm is None or (session.running and not widget.live):
-        if widget is not None:
-            widget.close()
-        widget = StatusWidget(session, interval=interval)
-        _status_widgets[session] = widget
+    """A new live status widget for the session (``%dist_status``, the session's own
+    display); the one shown before it is frozen, keeping what it shows now."""
+    earlier = _status_widgets.get(session)
+    if earlier is not None:
+        earlier.freeze()
+    widget = StatusWidget(session, interval=interval)
+    _status_widgets[session] = widget
     return widget
 
 

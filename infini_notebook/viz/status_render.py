@@ -155,11 +155,13 @@ def status_text(
     return "\n".join(rows)
 
 
-def ready_text(backend: str, rows: Sequence[RankState], how: str) -> str:
-    """%dist_start's line: '4 ranks ready (nccl; GPUs 4,5,6,7; 8 threads per rank; how).'"""
+def ready_text(backend: str, rows: Sequence[RankState], how: str, layout: str = "") -> str:
+    """%dist_start's line: '4 ranks ready (tp 2 x dp 2; nccl; GPUs 4,5,6,7; 8 threads per
+    rank; how).' ``layout``: ``ParallelLayout.sizes_text()``, as %dist_groups shows it."""
     gpus = [rs.gpu for rs in rows if rs.gpu is not None]
     threads = sorted({rs.threads for rs in rows if rs.threads})
-    parts = [backend]
+    parts = [layout] if layout else []
+    parts.append(backend)
     if gpus:
         parts.append(f"GPUs {','.join(dict.fromkeys(gpus))}")
     if threads:

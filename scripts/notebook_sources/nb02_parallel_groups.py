@@ -110,8 +110,9 @@ CELLS = [
 
     ## 3. The rank grid
 
-    `%dist_groups` draws a layout: rows and columns are coordinates, the colours are the
-    groups of one kind. In a live notebook, pick another kind in the
+    `%dist_groups` draws a layout: rows and columns are positions in groups (`tp rank 1`:
+    the second rank of every tp group), the colours are the groups of one kind. In a live
+    notebook, pick another kind in the
     dropdown or click a rank to outline all its groups. With `--world` it needs no session,
     so it is also a planning tool. Megatron's order, coloured by pp group:
     """),

@@ -66,7 +66,7 @@ CELLS = [
     ### Stepping through a rank live
 
     With no code, `%dist_debug --ranks 2` opens pdb itself in that frame, at the notebook's
-    input box: the prompt reads `[rank 2] (Pdb) `; `p keep`, `up`, `c` or `q` as usual.
+    input box: the prompt reads `[rank 2] (Pdb)`; `p keep`, `up`, `c` or `q` as usual.
     The same box serves code running in a cell: `input()`, `breakpoint()` and
     `torch.distributed.breakpoint(rank=1)` on a rank ask there, one prompt at a time, each
     labeled with its rank, after what the rank printed before asking. Meanwhile the other
@@ -81,10 +81,6 @@ CELLS = [
     ```
     ```
     [rank 0] after 0 0
-    [rank 1] !!! ATTENTION !!!
-    [rank 1] Type 'up' to get to the frame that called dist.breakpoint(rank=1)
-    [rank 1] > .../torch/distributed/__init__.py(134)breakpoint()
-    [rank 1] (Pdb) up
     [rank 1] > In[12](2)<module>()
     [rank 1] -> torch.distributed.breakpoint(rank=1)
     [rank 1] (Pdb) p x + 1
@@ -92,6 +88,9 @@ CELLS = [
     [rank 1] (Pdb) c
     [rank 1] after 1 10
     ```
+
+    pdb starts in the cell's frame, at the breakpoint's line, so the cell's names are there
+    at once (torch's own function is a frame below; stepping passes over it).
 
     `q` instead of `c` fails the cell on rank 1 in one line, `rank 1: left the debugger
     (q)`, releases rank 0 and rebuilds the groups, as for any failed rank; the Stop button
@@ -119,7 +118,8 @@ CELLS = [
 
     Look at three things: rank 0's traceback appears at once, while the others still wait;
     the error starts with that root cause, then says who was waiting for whom, where (the
-    collective, its number in the group, the line of this cell) and that the wait was
+    cell's 1st `all_reduce`, its number in the world group beside it, the line of this cell)
+    and that the wait was
     **released**; and the cell ends in about a second, not at the timeout. Only waits that
     can never finish are released: a rank computing, or waiting in a group without the
     failed rank, is left alone.
@@ -165,9 +165,9 @@ CELLS = [
 
     When no rank has left the cell, nobody can tell a slow rank from a stuck one, so the
     collective timeout (5 s here) decides. Meanwhile, after two seconds, the cell shows,
-    updated in place, where each rank waits: the call, its group and its number from torch's
-    Flight Recorder. Ranks 0-1 are in `all_reduce`, ranks 2-3 in `broadcast`, both the
-    world group's collective #N: a mismatch.
+    updated in place, where each rank waits: the call, which of the cell's calls it is, its
+    group and its number there from torch's Flight Recorder. Ranks 0-1 are in `all_reduce`,
+    ranks 2-3 in `broadcast`, both the world group's collective #N: a mismatch.
     """),
     code(
         """

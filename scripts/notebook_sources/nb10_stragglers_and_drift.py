@@ -135,8 +135,9 @@ CELLS = [
     """),
     code("%dist_diff model"),
     md("""
-    One tensor differs, in one dp group: `module.2.weight` on rank 3 against rank 1 (the
-    group's first rank), with the largest difference. `d = %dist_diff model` keeps the
+    One tensor differs, in one dp group: `module.2.weight` on rank 3, compared with rank 1
+    (`compared_with`: the group's first rank), with the largest difference. `d = %dist_diff
+    model` keeps the
     table as a DataFrame; `--atol 1e-6` ignores differences that small. Tensor-parallel
     shards are different by design, so compare them with `--group tp` only when they
     should be equal, and `--group world` compares every rank.
