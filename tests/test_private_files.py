@@ -80,7 +80,7 @@ def test_a_named_folder_of_another_user_is_refused(shared):
     work, _ = shared
     theirs = os.path.join(work, "theirs")
     assert as_other(os.mkdir, theirs, 0o777) is None
-    with pytest.raises(DistUsageError, match=f"belongs to another user \\(uid {OTHER_UID}\\)"):
+    with pytest.raises(DistUsageError, match=f"belongs to uid {OTHER_UID}, not to this user"):
         private_files.make_folder(theirs, fresh=False)
 
 

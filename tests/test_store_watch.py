@@ -37,6 +37,13 @@ def kernel_store() -> dist.TCPStore:
     return store
 
 
+def end(watcher: subprocess.Popen) -> None:
+    """The watcher this test started, killed if it still runs (by its pid: ours)."""
+    if watcher.poll() is None:
+        watcher.kill()
+        watcher.wait()
+
+
 def start_watcher(port: int, lost_after: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WATCHER, str(port), str(lost_after), TOKEN, KEY],
@@ -119,9 +126,7 @@ def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_ran
         code = watcher.wait(30)
         took = time.monotonic() - t0
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
+        end(watcher)
         relay.close()
     assert code == 3
     assert "lost the kernel's store for 3 s" in watcher.stderr.read()
@@ -143,9 +148,7 @@ def test_a_foreign_store_on_the_old_port_does_not_keep_the_rank_alive():
         code = watcher.wait(30)
         took = time.monotonic() - t0
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
+        end(watcher)
     assert code == 3, code
     assert "not the session's" in watcher.stderr.read()
     assert took < 15, took

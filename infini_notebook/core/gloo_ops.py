@@ -83,16 +83,7 @@ def _collectives(worker, entries, lost, wall_to_trace) -> list[CommOp]:
             for back, ev in enumerate(reversed(before), start=1):
                 keys[id(ev)] = collective_key(group, first[1]["collective_seq_id"] - back)
                 descs[id(ev)] = descs[id(first[0])]
-    return [
-        CommOp(
-            name=ev["name"],
-            start=ev["ts"],
-            end=k.end(ev),
-            keys=(keys[id(ev)],) if id(ev) in keys else (),
-            group=descs.get(id(ev), ""),
-        )
-        for ev in worker
-    ]
+    return _ops(worker, keys, descs)
 
 
 def _owners(worker, queues) -> dict:
@@ -168,6 +159,11 @@ def _messages(p2p, calls, rank, wall_to_trace) -> list[CommOp]:
                 keys[id(ev)] = key
                 descs[id(ev)] = call.get("desc", "")
                 break
+    return _ops(p2p, keys, descs, p2p=True)
+
+
+def _ops(events: list[dict], keys: dict, descs: dict, p2p: bool = False) -> list[CommOp]:
+    """The events as CommOps: each with its match key and group, where one was found."""
     return [
         CommOp(
             name=ev["name"],
@@ -175,7 +171,7 @@ def _messages(p2p, calls, rank, wall_to_trace) -> list[CommOp]:
             end=k.end(ev),
             keys=(keys[id(ev)],) if id(ev) in keys else (),
             group=descs.get(id(ev), ""),
-            p2p=True,
+            p2p=p2p,
         )
-        for ev in p2p
+        for ev in events
     ]

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import stat
 import tempfile
 
 from ..core.errors import DistUsageError
+from ..engine.remote_start import folder_problem
 
 
 def own_folder_problem(st: os.stat_result, uid: int) -> str | None:
-    """Why a folder with status ``st`` is not one to write into, or None."""
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a folder"
-    if st.st_uid != uid:
-        return f"belongs to another user (uid {st.st_uid})"
-    return None
+    """Why a folder with status ``st`` is not one to write into, or None: the same rule as
+    a remote engine's folder (engine/remote_start.py), without the mode."""
+    return folder_problem(st, uid, private=False)
 
 
 def make_folder(path: str, fresh: bool) -> str:
