@@ -82,7 +82,10 @@ def session(session4):
     """The suite's shared API session (4 ranks, tp 2 x dp 2): one process holds one session,
     and starting another costs seconds on 2 cores."""
     session4.run(SETUP, echo=False)
-    return session4
+    yield session4
+    # SETUP seeds every rank alike (identical replicas); later tests of this shared session
+    # expect each rank's own random stream again
+    session4.run("torch.seed()", echo=False)
 
 
 def check(session, name: str, kind: str = "dp"):

@@ -210,7 +210,7 @@ def test_two_host_ssh_session(hosts):
         assert "[rank 3] 1 1 2 6.0 5.0" in out
         ui = Frontend(k, ["carol"])  # input() on a rank of the other host: over the store
         assert ui.run("%%dist --ranks 3\nprint('got', input('who? '))") == "ok"
-        assert ui.prompts() == ["[rank 3] who? "] and "[rank 3] got carol" in ui.shown["stdout"]
+        assert ui.prompts() == ["[rank 3] who?"] and "[rank 3] got carol" in ui.shown["stdout"]
         status = text_of(k.run("%dist_status"))
         assert status.count(a) == 2 and status.count(b) == 2  # tiles name their host
         assert states(k) == ["idle"] * 4  # known from the controller, not from local pids
