@@ -86,43 +86,32 @@ LAB_SETTINGS = {
 
 
 def test_widgets_render_in_jupyterlab(tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     write_notebook(tmp_path / "widgets.ipynb")
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with jupyter_lab(tmp_path) as url, playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage"],
+    with lab_page(tmp_path, "widgets.ipynb") as page:
+        run_cells(page, 0, TIMEOUT_CELL)
+        answer_input(page, shots)
+        check_outputs(page, shots)
+        check_failure(page, shots)
+        check_progress_bars(page, shots)
+        run_cells(page, TIMEOUT_CELL, RESTART_CELL)
+        check_refusal(page, shots)
+        run_cells(page, RESTART_CELL, len(CELLS))
+        check_restart(page)
+        check_pdb(page, shots)
+        check_past_status(page, shots)
+        check_contrast(page, shots, "light")
+        page.evaluate(
+            "() => window.jupyterapp.commands.execute('apputils:change-theme', "
+            "{theme: 'JupyterLab Dark'})"
         )
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1000})
-            page.goto(f"{url}/lab/tree/widgets.ipynb?reset&token={url.token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            wait_kernel_idle(page)
-            run_cells(page, 0, TIMEOUT_CELL)
-            answer_input(page, shots)
-            check_outputs(page, shots)
-            check_failure(page, shots)
-            check_progress_bars(page, shots)
-            run_cells(page, TIMEOUT_CELL, RESTART_CELL)
-            check_refusal(page, shots)
-            run_cells(page, RESTART_CELL, len(CELLS))
-            check_restart(page)
-            check_pdb(page, shots)
-            check_past_status(page, shots)
-            check_contrast(page, shots, "light")
-            page.evaluate(
-                "() => window.jupyterapp.commands.execute('apputils:change-theme', "
-                "{theme: 'JupyterLab Dark'})"
-            )
-            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
-            # the theme change shows JupyterLab's splash over the page until it is applied
-            page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=30_000)
-            check_contrast(page, shots, "dark")
-        finally:
-            browser.close()
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+        # the theme change shows JupyterLab's splash over the page until it is applied
+        page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=30_000)
+        check_contrast(page, shots, "dark")
     os.makedirs(OUT, exist_ok=True)
     for png in shots.iterdir():
         shutil.copy(png, OUT)
@@ -412,6 +401,27 @@ class LabURL(str):
 
 
 @contextmanager
+def lab_page(root, notebook: str):
+    """JupyterLab serving ``root`` with ``notebook`` open in headless Chromium, its kernel
+    idle: the page, closed with the browser and the server at the end."""
+    from playwright.sync_api import sync_playwright  # importorskip'ed by the tests
+
+    with jupyter_lab(root) as url, sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1000})
+            page.goto(f"{url}/lab/tree/{notebook}?reset&token={url.token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            wait_kernel_idle(page)
+            yield page
+        finally:
+            browser.close()
+
+
+@contextmanager
 def jupyter_lab(root):
     """A JupyterLab server we own on loopback with a random token; stopped by its pid, with
     any process it left behind (the kernel, the rank engines) ended by pid too."""
@@ -510,26 +520,15 @@ PROFILE_CELLS = [
 def test_profile_in_jupyterlab(tmp_path):
     """The verdict leads, in words checked against the sleeps; Perfetto is a link after a
     good profile and after a failed one; the failed one's lines are not broken mid-word."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in PROFILE_CELLS]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     nbformat.write(nb, str(tmp_path / "profile.ipynb"))
-    with jupyter_lab(tmp_path) as url, playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage"],
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1000})
-            page.goto(f"{url}/lab/tree/profile.ipynb?reset&token={url.token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            wait_kernel_idle(page)
-            run_cells(page, 0, len(PROFILE_CELLS))
-            check_profile(page, tmp_path)
-        finally:
-            browser.close()
+    with lab_page(tmp_path, "profile.ipynb") as page:
+        run_cells(page, 0, len(PROFILE_CELLS))
+        check_profile(page, tmp_path)
 
 
 def check_profile(page, shots) -> None:
