@@ -117,6 +117,7 @@ class Session:
         self.book = RankBook()
         self.background = BackgroundCell()
         self.last: CellResult | None = None
+        self.left_output = None  # cells an earlier kernel left running (kernel/left_output)
         self.running = False
 
     # ----- start / stop -------------------------------------------------------------------

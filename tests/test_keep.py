@@ -15,7 +15,7 @@ import pytest
 from conftest import fresh_kernel, text_of
 from jupyter_core.utils import run_sync
 
-from infini_notebook.launch.watchdog import MARK
+from infini_notebook.launch.watchdog import LEASE, MARK, read_json
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,6 +49,23 @@ def wait_until_gone(folder: str, timeout: float) -> list[psutil.Process]:
     while (left := session_processes(folder)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def detached_ticks(path: str) -> dict[int, float]:
+    """The ``tick I TIME`` lines of the section written for a cell an earlier kernel left
+    running (kernel/left_output.py), by I."""
+    text = open(path).read()
+    head = "started by an earlier kernel: all its output from its start"
+    assert text.count(head) == 1, text[-2000:]
+    section = text.split(head, 1)[1].split("=====\n", 1)[1]
+    return {int(w[1]): float(w[2]) for w in map(str.split, section.splitlines()) if w[:1] == ["tick"]}
+
+
+def restart(cells) -> None:
+    """Jupyter's restart (a dead kernel too), and the extension loaded in the new one."""
+    run_sync(cells.client.km.restart_kernel)(now=True)
+    run_sync(cells.client.kc.wait_for_ready)(timeout=60)
+    cells.run("%load_ext infini_notebook")
 
 
 def folder_of(cells) -> str:
@@ -107,13 +124,22 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
 
         # SIGKILL of the driving kernel while a cell runs: the cell goes on, the first
         # kernel attaches again (no --force), sees it, its stacks, and interrupts it
-        second.run("%%dist --background\nimport time\nfor i in range(600):\n    time.sleep(0.1)")
+        second.run(
+            "%%dist --background\nimport time\n"
+            "for i in range(600):\n    time.sleep(0.1); print('tick', i, time.time(), flush=True)"
+        )
         second.run(IN_THE_CELL)  # the kill must not beat the cell to the ranks
         killed = psutil.Process(second.kernel_pid)
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
+        killed_at = time.time()
+        time.sleep(1)  # ticks nobody listens to
         said = text_of(first.run(f"%dist_attach {name}"))
         assert "was detached" in said and "still runs on ranks 0-1" in said, said
+        # what the cell printed while no kernel was attached is in the per-rank files
+        ticks = detached_ticks(os.path.join(folder, "output", "rank1.stdout"))
+        assert list(ticks) == list(range(len(ticks))), list(ticks)[:5]  # from its start, no gap
+        assert max(ticks.values()) > killed_at, "nothing printed while detached was kept"
         assert "line 3 in <module>" in text_of(first.run("%dist_stacks"))  # the sleep
         assert "stuck" in text_of(first.run("%dist_status"))
         assert "Interrupted ranks [0, 1]" in text_of(first.run("%dist_interrupt"))
@@ -121,6 +147,31 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         while "[rank 0] 1" not in (out := text_of(first.run("%%dist\nprint(x)", allow_error=True))):
             assert time.monotonic() < deadline, out
             time.sleep(0.2)
+        # ... and what it printed after the attach, until the interrupt ended it
+        later = detached_ticks(os.path.join(folder, "output", "rank1.stdout"))
+        assert list(later) == list(range(len(later))) and len(later) > len(ticks), len(later)
+
+        # a kernel killed in the middle of %dist_attach (here while it waits for the ranks'
+        # answers: rank 1 is paused) leaves the session attachable, without --force
+        rank1 = psutil.Process(int(text_of(first.run("print(dist_session.ranks[1].pid)"))))
+        restart(first)
+        victim = first.kernel_pid
+        first.client.kc.execute(f"%dist_attach {name}")  # not waited for
+        rank1.suspend()
+        try:
+            lease = os.path.join(folder, LEASE)
+            deadline = time.monotonic() + 60
+            while ((read_json(lease) or {}).get("holder") or [0])[0] != victim:
+                assert time.monotonic() < deadline, read_json(lease)
+                time.sleep(0.005)
+            time.sleep(0.5)  # joined the store and the controller: waiting for rank 1
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            rank1.resume()
+        restart(first)
+        said = text_of(first.run(f"%dist_attach {name}"))
+        assert "was detached" in said and "Traceback" not in said, said
+        assert "[rank 1] 11" in text_of(first.run("%%dist\nprint(x)"))
 
         # %dist_export has the cells of every kernel that drove it, before the restart too
         script = os.path.join(folder, "exported.py")

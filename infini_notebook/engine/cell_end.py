@@ -56,7 +56,7 @@ def install(shell) -> None:
         return
 
     async def run_cell_async(*args, **kwargs):
-        from .cell_names import notebook_number
+        from .cell_names import notebook_number, request_id
 
         with _lock:
             _state.update(
@@ -65,6 +65,7 @@ def install(shell) -> None:
                 started_ns=time.time_ns(),
                 since=time.time(),
                 number=notebook_number(shell),
+                msg_id=request_id(shell),
             )
         _tell("start")
         try:
@@ -140,11 +141,12 @@ def in_cell() -> bool:
 
 
 def running_cell() -> dict | None:
-    """The cell that runs now: its notebook number (In[N]) and since when; None if none."""
+    """The cell that runs now: its notebook number (In[N]), since when and its request's id;
+    None if none."""
     with _lock:
         if not _state["in_cell"]:
             return None
-        return {"number": _state.get("number"), "since": _state.get("since")}
+        return {k: _state.get(k) for k in ("number", "since", "msg_id")}
 
 
 def started_ns() -> int | None:

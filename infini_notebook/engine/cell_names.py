@@ -36,12 +36,21 @@ def install(shell) -> bool:
 
 def notebook_number(shell) -> int | None:
     """The notebook's number for the request being run, from its label, if it has one."""
-    try:
-        parent = shell.kernel.get_parent("shell") or {}
-    except Exception:  # not in a kernel, or an ipykernel without get_parent
-        return None
-    match = _LABEL.fullmatch(str((parent.get("metadata") or {}).get("label") or ""))
+    match = _LABEL.fullmatch(str((_request(shell).get("metadata") or {}).get("label") or ""))
     return int(match.group(1)) if match else None
+
+
+def request_id(shell) -> str | None:
+    """The id of the request being run: the controller keeps its output under it (a kernel
+    attaching a kept session reads what a cell printed while none was attached)."""
+    return (_request(shell).get("header") or {}).get("msg_id")
+
+
+def _request(shell) -> dict:
+    try:
+        return shell.kernel.get_parent("shell") or {}
+    except Exception:  # not in a kernel, or an ipykernel without get_parent
+        return {}
 
 
 def _hook_cache(shell, compiler) -> None:

@@ -14,6 +14,8 @@ from ..core.keep import format_duration
 from ..core.output import one_line
 from ..core.ranks import rank_label
 from ..launch import startup
+from . import left_output
+from .left_output import LeftOutput
 
 INFO_WAIT_S = 3.0  # for every rank's answer (a busy machine; dead ranks never answer)
 
@@ -47,6 +49,8 @@ def take_over(s, force: bool = False) -> str:
         ) from None
     running = {r: i["cell"] for r, i in infos.items() if i.get("cell")}
     s.book.add_stuck(running)  # until their engines' queues drain (see supervision)
+    s.left_output = LeftOutput(s.folder.file("output"), running)
+    left_output.follow(s)  # what they printed while no kernel was attached
     return attach_line(s, took, sorted(set(range(s.world_size)) - set(infos)), running)
 
 
@@ -78,6 +82,7 @@ def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
         out = os.path.join(s.folder.path, "output")
         parts.append(
             f"{cell} still runs on {rank_label(sorted(running))[1:-1]} since {since} "
-            f"(%dist_stacks, %dist_interrupt; its output until the last kernel ended: {out})"
+            f"(%dist_stacks, %dist_interrupt; all its output so far, and more as it comes: "
+            f"{out})"
         )
     return "; ".join(parts) + "."

@@ -16,10 +16,13 @@ from ..core.ranks import parse_ranks
 from ..core.state import RankState
 from ..engine import rank_services
 from ..launch.engine_sets import exit_description
+from . import left_output
 
 
 def still_stuck(s) -> set[int]:
-    """Ranks that ignored an interrupt or a release, until their engine's queue drains."""
+    """Ranks that ignored an interrupt or a release, until their engine's queue drains.
+    A cell an earlier kernel left running gets its output files brought up to date."""
+    left_output.follow(s)
     return s.book.stuck(running=lambda: stuck_ranks(s))
 
 

@@ -1,0 +1,77 @@
+"""The output of cells an earlier kernel started and that still ran when it ended (a kept
+session, attached by a new kernel; see attach.py). Nothing they printed is lost: the
+controller keeps every stream message under its request's id (ipyparallel 9,
+``Hub.save_iopub_message`` appends each ``stream`` text to the record's stdout/stderr),
+whether or not a kernel listens. Each rank's output file gets one section for such a
+cell, with all of its output from its start, rewritten whole as more comes, until the cell
+has ended on every rank."""
+
+from __future__ import annotations
+
+import os
+
+STREAMS = ("stdout", "stderr")
+
+
+class LeftOutput:
+    """The cells left running, by rank (``{"msg_id", "number", ...}`` as the ranks said at
+    attach), and where each rank's section begins in its files. The only writer of those
+    sections."""
+
+    def __init__(self, dir: str | None, running: dict[int, dict]):
+        self.dir = dir
+        self.cells = {r: c for r, c in running.items() if c.get("msg_id")}
+        self._starts: dict[tuple[int, str], int] = {}
+
+    def msg_ids(self) -> list[str]:
+        return [c["msg_id"] for c in self.cells.values()]
+
+    def write(self, records: dict[str, dict]) -> None:
+        """Each rank's section from its cell's record (``stdout``/``stderr``: all so far)."""
+        if not self.dir:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        for rank, cell in self.cells.items():
+            record = records.get(cell["msg_id"]) or {}
+            for stream in STREAMS:
+                if record.get(stream):
+                    self._write(rank, stream, header(cell), record[stream])
+
+    def _write(self, rank: int, stream: str, head: str, text: str) -> None:
+        path = os.path.join(self.dir, f"rank{rank}.{stream}")
+        key = (rank, stream)
+        with open(path, "ab") as f:  # created if missing; its end is where a section begins
+            start = self._starts.setdefault(key, f.tell())
+        with open(path, "r+b") as f:
+            f.truncate(start)  # the section again, longer: the record holds it all
+            f.seek(start)
+            f.write((head + text).encode("utf-8", errors="replace"))
+
+
+def header(cell: dict) -> str:
+    name = f"In[{cell['number']}]" if cell.get("number") else "a cell"
+    return (
+        f"\n===== {name}, started by an earlier kernel: all its output from its start, "
+        "as the controller kept it =====\n"
+    )
+
+
+def follow(s) -> None:
+    """Bring the sections of ``s.left_output`` up to date from the controller's records;
+    once the cells ended on every rank, the last write, and nothing more to follow."""
+    left = s.left_output
+    if left is None:
+        return
+    try:
+        reply = s.engines.client.ask_controller(
+            "db_request",
+            {"query": {"msg_id": {"$in": left.msg_ids()}}, "keys": ["msg_id", *STREAMS, "completed"]},
+        )  # fmt: skip
+    except Exception:  # the controller is gone: the files keep what they have
+        s.left_output = None
+        return
+    records = {r["msg_id"]: r for r in reply.get("records", [])}
+    left.write(records)
+    # a record gone was purged once complete (launch/client.py): its section stays as is
+    if all(records.get(m, {"completed": True}).get("completed") for m in left.msg_ids()):
+        s.left_output = None
