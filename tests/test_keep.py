@@ -58,7 +58,9 @@ def detached_ticks(path: str) -> dict[int, float]:
     head = "started by an earlier kernel: all its output from its start"
     assert text.count(head) == 1, text[-2000:]
     section = text.split(head, 1)[1].split("=====\n", 1)[1]
-    return {int(w[1]): float(w[2]) for w in map(str.split, section.splitlines()) if w[:1] == ["tick"]}
+    return {
+        int(w[1]): float(w[2]) for w in map(str.split, section.splitlines()) if w[:1] == ["tick"]
+    }
 
 
 def restart(cells) -> None:

@@ -63,10 +63,9 @@ def follow(s) -> None:
     if left is None:
         return
     try:
-        reply = s.engines.client.ask_controller(
-            "db_request",
-            {"query": {"msg_id": {"$in": left.msg_ids()}}, "keys": ["msg_id", *STREAMS, "completed"]},
-        )  # fmt: skip
+        query = {"msg_id": {"$in": left.msg_ids()}}
+        keys = ["msg_id", *STREAMS, "completed"]
+        reply = s.engines.client.ask_controller("db_request", {"query": query, "keys": keys})
     except Exception:  # the controller is gone: the files keep what they have
         s.left_output = None
         return
