@@ -19,13 +19,26 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESTART_TAG = "restart-kernel-before"  # the cell runs in a restarted kernel
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
+class Client(NotebookClient):
+    """nbclient's, but a cell tagged ``restart-kernel-before`` runs in a restarted kernel,
+    restarted as Jupyter's Kernel > Restart does it (jupyter_client's restart_kernel: the
+    old kernel's whole process group is signalled): a tutorial shows what survives."""
+
+    async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+        if RESTART_TAG in cell.metadata.get("tags", []):
+            await self.km.restart_kernel(now=True)
+            await self.kc.wait_for_ready(timeout=self.timeout)
+        return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+
+
 def execute(path: str, timeout: int) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
+    client = Client(
         nb,
         timeout=timeout,
         kernel_name="python3",

@@ -44,6 +44,8 @@ MODES = {
     # 10: the profile's figure and tables are measurements; the diff's largest difference
     "10-06": "skip",
     "10-13": "shape",
+    # 11: the kept sessions' table: when it started, its memory, its time left
+    "11-07": "skip",
 }
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
