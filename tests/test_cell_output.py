@@ -119,6 +119,24 @@ def test_update_display_replaces_the_ranks_own_display(ranks4):
     assert text_of(cell, "stdout").splitlines() == [f"[rank {r}] 'v3 on {r}'" for r in range(4)]
 
 
+def test_output_that_comes_before_the_kernel_listens_is_not_lost(ranks4):
+    # the kernel is slow between sending the cell and listening to it (a loaded machine):
+    # the ranks' display updates and clear_output must still be applied
+    ranks4.run(
+        "import time, infini_notebook.kernel.cell as _c\n_init = _c.Cell.__init__\n"
+        "_c.Cell.__init__ = lambda self, *a, **k: (time.sleep(1), _init(self, *a, **k))[1]"
+    )
+    try:
+        cell = ranks4.run(
+            "%%dist\nfrom IPython.display import display, clear_output\nprint('gone')\n"
+            "clear_output()\nh = display(f'v0 on {rank}', display_id=True)\n"
+            "h.update(f'v1 on {rank}')"
+        )
+    finally:
+        ranks4.run("_c.Cell.__init__ = _init")
+    assert text_of(cell, "stdout").splitlines() == [f"[rank {r}] 'v1 on {r}'" for r in range(4)]
+
+
 LATE = """%%dist
 import threading, time
 def later():

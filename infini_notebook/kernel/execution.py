@@ -62,9 +62,12 @@ def run(
     name = cell_name()
     files = OutputFiles(s.folder.file("output"), targets, name)
     t0 = time.perf_counter()
-    with s.engines.client.lock:
-        ar = _execute(s.engines.view(targets), code, name)
-    cell = Cell(ar, targets, labeler, printer, files)
+    cell = s.engines.client.on_io_thread(  # listening before any output can arrive
+        lambda _: Cell(
+            _execute(s.engines.view(targets), code, name), targets, labeler, printer, files
+        )
+    )
+    ar = cell.ar
     watch = WaitWatch(s, cell, name)
     prompts = Prompts(s, cell, on_answer=watch.human_answered)
     s.book.set_busy(targets, True)

@@ -30,6 +30,7 @@ HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at 
 CONTROLLER_TIMEOUT_S = 10.0  # the longest any single request to the controller may take
 # private: ipyparallel's own requests (queue_status, purge_hub_results) can wait for ever
 _QUERY_PARTS = ("_send", "_query_stream")
+IO_THREAD_WAIT_S = 60.0  # ipyparallel's IO thread runs a queued call within ms; a dead one never
 CONTROLLER_GONE = (
     "The session's ipyparallel controller is gone (it died or was killed), so nothing "
     "reaches the ranks. Run %dist_restart --hard (variables are lost) or %dist_stop."
@@ -101,6 +102,38 @@ class Client:
     def call_later(self, delay: float, fn, *args) -> None:
         """On the loop's thread: run ``fn(*args)`` there in ``delay`` seconds."""
         self._loop.call_later(delay, fn, *args)
+
+    def on_io_thread(self, fn):
+        """``fn(client)`` run on ipyparallel's IO thread, under the lock held here for it.
+        A request sent there is queued behind the call (``Client._send`` hands the send to
+        that thread), and what engines publish is dispatched there too: listeners a
+        request's output needs are in place before any of it arrives. ipyparallel keeps no
+        copy of ``update_display_data`` or ``clear_output`` (``Client._dispatch_iopub``),
+        so a listener added after them lost them (a rank's display showed its first value
+        instead of its last)."""
+        import concurrent.futures
+
+        with self.lock:
+            client = self._client
+            if client is None:
+                raise ControllerGone("a cell")
+            internals.require(client, ("_io_loop",), "ipyparallel", "Client: its IO thread")
+            done: concurrent.futures.Future = concurrent.futures.Future()
+
+            def call():
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(fn(client))
+                    except BaseException as e:
+                        done.set_exception(e)
+
+            client._io_loop.add_callback(call)
+            try:
+                return done.result(IO_THREAD_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                if done.cancel():  # it never ran: a client whose IO thread is gone
+                    raise ControllerGone("a cell") from None
+                return done.result()  # it runs: its sends are queued, let it finish
 
     def stop_loop(self) -> None:
         if self._loop is not None:
