@@ -15,14 +15,14 @@ from typing import Any
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
-from .core.output import one_line, prefix_lines
+from .core.output import prefix_lines
 from .core.plan import SessionPlan
 from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
-from .engine import bootstrap, postmortem
+from .engine import postmortem
 from .kernel import attach as attach_kept
-from .kernel import diff, execution, supervision, transfer
+from .kernel import diff, execution, recovery, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
@@ -39,7 +39,6 @@ log = logging.getLogger("infini_notebook")
 
 
 _current: Session | None = None
-STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing a cell
 
 
 def current() -> Session | None:
@@ -124,7 +123,9 @@ class Session:
         t0 = time.perf_counter()
         try:
             self.keeper.host_store(self.rendezvous)  # hosted here, or kept: a process of its own
-            self._launch(progress)
+            self.book.record(
+                startup.bring_up(self.plan, self.engines, self.rendezvous, self.folder, progress)
+            )
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
             raise
@@ -137,15 +138,6 @@ class Session:
             atexit.register(self.stop)  # a kept session outlives the kernel
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
-
-    def _launch(self, progress: Progress | None) -> None:
-        """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
-        self.folder.arm_watchdog()
-        self.engines.start(progress)
-        rows = startup.bootstrap_ranks(
-            self.plan, self.engines, self.rendezvous, self.folder, progress
-        )
-        self.book.record(rows)
 
     @property
     def world_size(self) -> int:
@@ -200,64 +192,13 @@ class Session:
         # A hard restart may end a background cell that was told to stop and did not.
         self.background.refuse("%dist_restart", unless_interrupted=hard)
         self.rendezvous.next_attempt()
-        if hard:
-            self._restart_hard(progress)
-            return
-        self.require_running()
-        dead = supervision.dead_ranks(self, range(self.world_size))
-        if dead:
-            raise DistUsageError(
-                f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
-            )
-        stuck = supervision.stuck_ranks(self, settle=STUCK_SETTLE_S)
-        if stuck:
-            raise DistUsageError(
-                f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
-                "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
-            )
-        attempt, nonce = self.rendezvous.attempt, self.rendezvous.nonce
-        with self.engines.client.lock:
-            pending = {
-                r: self.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
-                for r in range(self.world_size)
-            }
-        try:
-            infos = self.engines.client.gather(pending, what="restart", timeout=60)
-        except DistCellError as e:
-            self.book.groups_broken(f"a rebuild failed half way ({e.summary})", execution.HARD_FIX)
-            raise DistCellError(
-                f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
-            ) from None
-        self.book.record(startup.rank_table(self.plan, self.engines, infos))
-        if after_failure:
-            self.book.groups_rebuilt()
+        if hard:  # the session stops if the new engines cannot come up (see recovery.py)
+            recovery.hard_restart(self, progress)
+            self.running = True
+            self.engines.plan_standby(self.book.idle_for)
         else:
-            self.book.restarted(hard=False)
-
-    def _restart_hard(self, progress: Progress | None) -> None:
-        """New engines; if they cannot come up, stop everything rather than leave half a
-        session running."""
-        # A running controller stays (see Client.ensure_controller), and the spare engines
-        # forked while the session was idle become the ranks (see spares.py).
-        self.engines.stop_engines(keep_standby=True)
-        self.folder.remove_shared_files()
-        self.book.restarted(hard=True)
-        try:
-            self._launch(progress)
-        except KeyboardInterrupt:
-            self.stop()
-            raise
-        except Exception as e:
-            self.stop()
-            why = e.summary if isinstance(e, DistCellError) else one_line(e)
-            raise DistCellError(
-                f"Hard restart failed: {why}. The session is stopped and nothing is left "
-                "running: start a new one with %dist_start.",
-                getattr(e, "report", ""),
-                getattr(e, "ranks", []),
-            ) from None
-        self.running = True
-        self.engines.plan_standby(self.book.idle_for)
+            self.require_running()
+            recovery.soft_restart(self, after_failure)
 
     # ----- running code -------------------------------------------------------------------
     def run(

@@ -26,7 +26,7 @@ from ..core.plan import soft_restart_fails
 from ..core.ranks import parse_ranks, parse_where, rank_label
 from ..core.state import CellResult
 from ..launch.client import CONTROLLER_GONE
-from . import supervision
+from . import recovery, supervision
 from .cell import Cell
 from .output_files import OutputFiles
 from .prompts import Prompts
@@ -39,8 +39,6 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 # torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
 _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 _BACKEND_WORDS = ("gloo", "nccl", "processgroup")
-HARD_FIX = "%dist_restart --hard"
-HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
 
 
 def run(
@@ -254,7 +252,7 @@ def interrupt_stuck(s, cell: Cell) -> list[int]:
     print(
         f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck in "
         f"native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
-        f"collective timeout fires; then {_restart_advice(s, after_timeout=True)} "
+        f"collective timeout fires; then {recovery.restart_advice(s, after_timeout=True)} "
         "%dist_restart --hard restarts the engines now.",
         file=sys.stderr,
     )
@@ -294,13 +292,13 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
             f"{s.plan.timeout:.0f} s collective timeout"
         )
     if died or stuck:
-        advice = f". {HARD_RESTART}"
+        advice = f". {recovery.HARD_RESTART}"
     elif watch.released:
-        advice = ". " + _rebuild_groups(s)
+        advice = ". " + recovery.rebuild_after_release(s)
     else:
         advice = _advice(s, result)
         if result.timed_out:  # the groups a timed-out collective leaves are unusable
-            fix = HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
+            fix = recovery.HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
             s.book.groups_broken("a collective timed out", fix)
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
 
@@ -308,21 +306,6 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
 def _waited_for(watch: WaitWatch, rank: int) -> str:
     peers = watch.released.get(rank)
     return f"was waiting for {rank_label(peers)[1:-1]}" if peers else "lost a peer that left"
-
-
-def _rebuild_groups(s) -> str:
-    """The soft restart after a release: new process groups, variables kept. Until one
-    works, every command that needs the groups is refused (``Session.require_whole``)."""
-    try:
-        s.restart(after_failure=True)
-    except Exception as e:
-        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})", HARD_FIX)
-        return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
-    return (
-        "The process groups were rebuilt (variables kept), so `groups` and `mesh` are new: "
-        "re-create what you built on the old ones (DDP or FSDP modules, your own DeviceMesh "
-        "or new_group)."
-    )
 
 
 def _engine_died(e: BaseException) -> bool:
@@ -356,19 +339,9 @@ def _advice(s, result: CellResult) -> str:
     if result.timed_out:
         return (
             ". A collective timed out: the failing ranks waited for peers that never joined "
-            f"(their tracebacks show where). {_restart_advice(s)}"
+            f"(their tracebacks show where). {recovery.restart_advice(s)}"
         )
     return ""
-
-
-def _restart_advice(s, after_timeout: bool = False) -> str:
-    """How to recover from a timed-out collective, for the session's backend."""
-    why = soft_restart_fails(s.plan, os.environ)
-    if why is not None:
-        return f"{why[0].upper()}{why[1:]}: run %dist_restart --hard (variables are lost)."
-    if after_timeout:
-        return "%dist_restart rebuilds the process groups and keeps your variables."
-    return "The process groups are likely broken: run %dist_restart (keeps variables)."
 
 
 def failed_ranks(s, ranks: str | list[int] | None) -> list[int]:
