@@ -15,14 +15,12 @@ from typing import Any
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
-from .core.output import prefix_lines
 from .core.plan import SessionPlan
 from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
-from .engine import postmortem
 from .kernel import attach as attach_kept
-from .kernel import diff, execution, recovery, supervision, transfer
+from .kernel import diff, execution, post_mortem, recovery, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
@@ -309,15 +307,7 @@ class Session:
         """Run ``code`` in the failing frame (its locals and globals) on each rank that failed
         in the last cell, or on ``ranks`` of those; ``{rank: output}``, shown labeled."""
         self.require_running()
-        targets = execution.failed_ranks(self, ranks)
-        dead = supervision.dead_ranks(self, targets)
-        if dead:
-            raise DistUsageError(f"{supervision.dead_text(dead)}: its frames are gone.")
-        out = self.apply(postmortem.post_mortem, code, ranks=targets, timeout=60)
-        if echo:
-            shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
-            TextPrinter(echo).out("".join(shown))
-        return out
+        return post_mortem.run_code(self, code, ranks, echo)
 
     def profile(
         self,
@@ -357,11 +347,7 @@ class Session:
         The last cell stays the one inspected: ``debug`` and ``post_mortem`` work again."""
         self.require_running()
         self.background.refuse("%dist_debug")
-        targets = execution.failed_ranks(self, ranks)
-        # no process group is used (a session whose groups broke can debug too), and the
-        # last cell stays the one inspected, its ranks still failed
-        printer = TextPrinter(True, owns_cell=True)
-        execution.run(self, postmortem.DEBUG_CELL, targets, False, None, printer, users=False)
+        post_mortem.debug(self, ranks)
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:

@@ -240,21 +240,3 @@ def _advice(s, result: CellResult) -> str:
             f"(their tracebacks show where). {recovery.restart_advice(s)}"
         )
     return ""
-
-
-def failed_ranks(s, ranks: str | list[int] | None) -> list[int]:
-    """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""
-    failed = sorted(s.last.errors) if s.last is not None else []
-    if not failed:
-        raise DistUsageError(
-            "The last cell did not fail, so there is no failing frame to inspect. "
-            "Post-mortem works right after a %%dist cell that raised on some rank."
-        )
-    if ranks is None:
-        return failed
-    chosen = parse_ranks(ranks, s.world_size)
-    if not set(chosen) <= set(failed):
-        raise DistUsageError(
-            f"Only {rank_label(failed)[1:-1]} failed in the last cell; pick --ranks among them."
-        )
-    return chosen
