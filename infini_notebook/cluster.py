@@ -15,14 +15,12 @@ from typing import Any
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
 from .core.options import StartOptions
-from .core.output import one_line, prefix_lines
 from .core.plan import SessionPlan
 from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
-from .engine import bootstrap, postmortem
 from .kernel import attach as attach_kept
-from .kernel import diff, execution, supervision, transfer
+from .kernel import diff, execution, post_mortem, recovery, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
@@ -39,7 +37,6 @@ log = logging.getLogger("infini_notebook")
 
 
 _current: Session | None = None
-STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing a cell
 
 
 def current() -> Session | None:
@@ -125,7 +122,9 @@ class Session:
         t0 = time.perf_counter()
         try:
             self.keeper.host_store(self.rendezvous)  # hosted here, or kept: a process of its own
-            self._launch(progress)
+            self.book.record(
+                startup.bring_up(self.plan, self.engines, self.rendezvous, self.folder, progress)
+            )
         except (DistUsageError, DistCellError, KeyboardInterrupt):
             self.stop()
             raise
@@ -138,15 +137,6 @@ class Session:
             atexit.register(self.stop)  # a kept session outlives the kernel
         log.info("session of %d ranks up in %.1fs", self.world_size, time.perf_counter() - t0)
         return self
-
-    def _launch(self, progress: Progress | None) -> None:
-        """Watchdog armed, engines up, ranks bootstrapped (also what a hard restart redoes)."""
-        self.folder.arm_watchdog()
-        self.engines.start(progress)
-        rows = startup.bootstrap_ranks(
-            self.plan, self.engines, self.rendezvous, self.folder, progress
-        )
-        self.book.record(rows)
 
     @property
     def world_size(self) -> int:
@@ -201,64 +191,13 @@ class Session:
         # A hard restart may end a background cell that was told to stop and did not.
         self.background.refuse("%dist_restart", unless_interrupted=hard)
         self.rendezvous.next_attempt()
-        if hard:
-            self._restart_hard(progress)
-            return
-        self.require_running()
-        dead = supervision.dead_ranks(self, range(self.world_size))
-        if dead:
-            raise DistUsageError(
-                f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
-            )
-        stuck = supervision.stuck_ranks(self, settle=STUCK_SETTLE_S)
-        if stuck:
-            raise DistUsageError(
-                f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
-                "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
-            )
-        attempt, nonce = self.rendezvous.attempt, self.rendezvous.nonce
-        with self.engines.client.lock:
-            pending = {
-                r: self.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
-                for r in range(self.world_size)
-            }
-        try:
-            infos = self.engines.client.gather(pending, what="restart", timeout=60)
-        except DistCellError as e:
-            self.book.groups_broken(f"a rebuild failed half way ({e.summary})", execution.HARD_FIX)
-            raise DistCellError(
-                f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks
-            ) from None
-        self.book.record(startup.rank_table(self.plan, self.engines, infos))
-        if after_failure:
-            self.book.groups_rebuilt()
+        if hard:  # the session stops if the new engines cannot come up (see recovery.py)
+            recovery.hard_restart(self, progress)
+            self.running = True
+            self.engines.plan_standby(self.book.idle_for)
         else:
-            self.book.restarted(hard=False)
-
-    def _restart_hard(self, progress: Progress | None) -> None:
-        """New engines; if they cannot come up, stop everything rather than leave half a
-        session running."""
-        # A running controller stays (see Client.ensure_controller), and the spare engines
-        # forked while the session was idle become the ranks (see spares.py).
-        self.engines.stop_engines(keep_standby=True)
-        self.folder.remove_shared_files()
-        self.book.restarted(hard=True)
-        try:
-            self._launch(progress)
-        except KeyboardInterrupt:
-            self.stop()
-            raise
-        except Exception as e:
-            self.stop()
-            why = e.summary if isinstance(e, DistCellError) else one_line(e)
-            raise DistCellError(
-                f"Hard restart failed: {why}. The session is stopped and nothing is left "
-                "running: start a new one with %dist_start.",
-                getattr(e, "report", ""),
-                getattr(e, "ranks", []),
-            ) from None
-        self.running = True
-        self.engines.plan_standby(self.book.idle_for)
+            self.require_running()
+            recovery.soft_restart(self, after_failure)
 
     # ----- running code -------------------------------------------------------------------
     def run(
@@ -369,15 +308,7 @@ class Session:
         """Run ``code`` in the failing frame (its locals and globals) on each rank that failed
         in the last cell, or on ``ranks`` of those; ``{rank: output}``, shown labeled."""
         self.require_running()
-        targets = execution.failed_ranks(self, ranks)
-        dead = supervision.dead_ranks(self, targets)
-        if dead:
-            raise DistUsageError(f"{supervision.dead_text(dead)}: its frames are gone.")
-        out = self.apply(postmortem.post_mortem, code, ranks=targets, timeout=60)
-        if echo:
-            shown = [prefix_lines(rank_label([r]), text) for r, text in out.items() if text]
-            TextPrinter(echo).out("".join(shown))
-        return out
+        return post_mortem.run_code(self, code, ranks, echo)
 
     def profile(
         self,
@@ -417,11 +348,7 @@ class Session:
         The last cell stays the one inspected: ``debug`` and ``post_mortem`` work again."""
         self.require_running()
         self.background.refuse("%dist_debug")
-        targets = execution.failed_ranks(self, ranks)
-        # no process group is used (a session whose groups broke can debug too), and the
-        # last cell stays the one inspected, its ranks still failed
-        printer = TextPrinter(True, owns_cell=True)
-        execution.run(self, postmortem.DEBUG_CELL, targets, False, None, printer, users=False)
+        post_mortem.debug(self, ranks)
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:

@@ -349,7 +349,7 @@ def test_a_cell_error_shows_its_root_cause_on_a_short_first_line_and_the_rest_be
     WIDTH and none broken mid-word (JupyterLab breaks longer output lines anywhere);
     what continues a part is indented further, so no sentence runs on across a break."""
     from infini_notebook.core.errors import WIDTH, DistCellError, DistUsageError
-    from infini_notebook.kernel.execution import _rebuild_groups
+    from infini_notebook.kernel.recovery import rebuild_after_release
 
     class Rebuilt:  # a session whose soft restart works
         def restart(self, after_failure):
@@ -358,7 +358,7 @@ def test_a_cell_error_shows_its_root_cause_on_a_short_first_line_and_the_rest_be
     summary = (
         "rank 1: ValueError: boom; ranks 0,2-3 were waiting for rank 1 in the cell's 1st "
         "all_reduce (#3 on the world group) at In[7], line 6: released. "
-        + _rebuild_groups(Rebuilt())
+        + rebuild_after_release(Rebuilt())
     )
     shown = DistCellError(summary, "[rank 1]\ntrace")._render_traceback_()
     assert shown == [

@@ -138,9 +138,9 @@ def test_an_abort_or_close_meant_for_earlier_groups_is_answered_stale():
 
 
 def test_a_released_rank_out_of_its_wait_is_not_given_up_until_much_later():
-    from infini_notebook.kernel.wait_watch import RELEASE_GIVE_UP_S, WaitWatch
+    from infini_notebook.kernel.watch import RELEASE_GIVE_UP_S, CellWatch
 
-    watch = WaitWatch(s=None, cell=None)
+    watch = CellWatch(s=None, cell=None)
     # rank 1 still waits, rank 2 left its wait (its traceback being formatted), rank 3 silent
     watch.found = {1: {"op": "all_reduce"}, 2: None}
     assert watch._stuck({1, 2, 3}, since=5.0) == {1, 3}

@@ -1,46 +1,36 @@
-"""Running a cell on the ranks, from sending it to the error it raises: following it while
-it runs (output, ranks that leave, die or stay stuck, waits released: wait_watch.py), the
-Stop button, and a failure's root cause. Functions taking the Session; what they change is
+"""Running a cell on the ranks, from sending it to the error it raises: what cannot run is
+refused, the cell is sent, ``watch.CellWatch`` follows it while it runs (output, ranks that
+leave, die or stay stuck, waits released, the Stop button), and the finished cell gives its
+result or its failure's root cause. Functions taking the Session; what they change is
 written through its owners (the RankBook, the client) and ``session.last``."""
 
 from __future__ import annotations
 
-import math
 import os
-import signal
-import sys
 import time
 
 from ..core import async_cells
-from ..core.errors import DistCellError, DistInterrupted, DistUsageError
+from ..core.errors import DistCellError, DistUsageError
 from ..core.output import (
     StreamLabeler,
     error_report,
     error_summary,
     left_debugger,
-    main_thread_stack,
     one_line,
     remote_traceback,
 )
 from ..core.plan import soft_restart_fails
 from ..core.ranks import parse_ranks, parse_where, rank_label
 from ..core.state import CellResult
-from ..launch.client import CONTROLLER_GONE
-from . import supervision
+from . import recovery, supervision
 from .cell import Cell
 from .output_files import OutputFiles
-from .prompts import Prompts
-from .wait_watch import WaitWatch
+from .watch import CellWatch
 
-INTERRUPT_GRACE_S = 3.0
-COLLAPSE_HOLD_S = 2.0
-DEAD_CHECK_S = 0.5  # how often a running cell looks for ranks that died
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # torch.distributed's own errors; gloo and nccl raise RuntimeError naming their sources
 _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 _BACKEND_WORDS = ("gloo", "nccl", "processgroup")
-HARD_FIX = "%dist_restart --hard"
-HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
 
 
 def run(
@@ -68,21 +58,10 @@ def run(
         )
     )
     ar = cell.ar
-    watch = WaitWatch(s, cell, name)
-    prompts = Prompts(s, cell, on_answer=watch.human_answered)
-    s.book.set_busy(targets, True)
+    watch = CellWatch(s, cell, name)
     try:
-        try:
-            follow(s, cell, watch, prompts)
-        except KeyboardInterrupt:
-            stuck = interrupt_stuck(s, cell)
-            cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
-            raise DistInterrupted(_interrupt_summary(targets, stuck), ranks=stuck) from None
-        finally:
-            s.book.set_busy(targets, False)
-            cell.detach()
-            s.rendezvous.drop_unread_answers()
-        result = collect(cell, time.perf_counter() - t0, watch, supervision.liveness(s))
+        watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
+        result = collect(cell, time.perf_counter() - t0, watch)
     finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
         s.engines.client.forget(ar.msg_ids)
         files.close()
@@ -158,62 +137,11 @@ def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) 
     return parse_ranks(ranks, s.world_size)
 
 
-def follow(s, cell: Cell, watch: WaitWatch, prompts: Prompts | None = None) -> None:
-    """Show output as it arrives and each rank idle as soon as it is; answer the ranks'
-    prompts; notice ranks that fail or die while others run, and release the waits that
-    can never finish (watch)."""
-    t0 = last_check = time.monotonic()
-    running = set(cell.targets)
-    while running:
-        wake = min(watch.next_wake(), prompts.next_poll if prompts else math.inf)
-        pause = min(DEAD_CHECK_S, max(0.01, wake - time.monotonic()))
-        if cell.changed.wait(pause):
-            cell.changed.clear()  # before reading: a later message wakes the next wait
-        finished = {r for r in running if cell.done(r)}
-        # A lost connection is a consequence: look for a dead peer first, to name it.
-        if running - finished and (
-            time.monotonic() - last_check > DEAD_CHECK_S or watch.lost_peer(finished)
-        ):
-            last_check = time.monotonic()
-            if not s.engines.client.controller_running():  # no reply can come any more
-                raise DistCellError(CONTROLLER_GONE, ranks=sorted(running))
-            dead = set(supervision.dead_ranks(s, sorted(running - finished)))
-            if dead:  # their peers' waits are released below; the others finish
-                running -= dead
-                s.book.set_busy(dead, False)
-                watch.left(dead, running - finished, died=True)
-        if finished:
-            running -= finished
-            s.book.set_busy(finished, False)
-            watch.left(finished, running)
-        # --collapse holds output back a little, so that lines the ranks print at about
-        # the same time arrive together and can be merged.
-        if not cell.labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
-            cell.show(final=False)
-        if prompts is not None and running:
-            prompts.serve()  # parks here while the user types: nothing is released
-        stuck = watch.tick(running)
-        if stuck:  # released, yet still waiting: native code that ignores the release
-            running -= stuck
-            give_up_stuck(s, cell, sorted(stuck))
-
-
-def give_up_stuck(s, cell: Cell, stuck: list[int]) -> None:
-    """End the cell without ranks that could not be released: show where they are; the
-    next cell on them is refused (refuse_stuck) until they finish."""
-    s.book.add_stuck(stuck)
-    stacks = supervision.stacks(s, stuck)
-    for r in stuck:
-        cell.note(r, f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n")
-
-
-def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellResult:
+def collect(cell: Cell, elapsed: float, watch: CellWatch) -> CellResult:
     """The finished cell: its last output shown, its values and errors gathered. Ranks
     without a reply (dead, or stuck after a release) are errors; tracebacks already shown
     live, and those of ranks whose wait was released (their peer left), are not repeated."""
-    cell.wait_for_trailing_output(alive)
-    cell.show(final=True)
-    cell.render_final()
+    watch.last_output()
     result = CellResult(ranks=cell.targets, elapsed=elapsed)
     tracebacks = {}
     for r in cell.targets:
@@ -241,30 +169,7 @@ def collect(cell: Cell, elapsed: float, watch: WaitWatch, alive=None) -> CellRes
     return result
 
 
-def interrupt_stuck(s, cell: Cell) -> list[int]:
-    """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
-    code, such as a collective whose peers never came), show where they are and what to
-    do: they stay stuck until the collective timeout fires."""
-    targets = cell.targets
-    supervision.send_signal(s, signal.SIGINT, targets)
-    cell.ar.wait(INTERRUPT_GRACE_S)
-    stuck = [r for r in targets if not cell.done(r)]
-    if not stuck:
-        return []
-    s.book.add_stuck(stuck)  # added to: ranks stuck in an earlier cell may still be
-    stacks = supervision.stacks(s, stuck)
-    report = "".join(f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in stuck)
-    print(
-        f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck in "
-        f"native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
-        f"collective timeout fires; then {_restart_advice(s, after_timeout=True)} "
-        "%dist_restart --hard restarts the engines now.",
-        file=sys.stderr,
-    )
-    return stuck
-
-
-def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> DistCellError:
+def cell_error(s, result: CellResult, targets: list[int], watch: CellWatch) -> DistCellError:
     """The error a failed cell raises, root cause first: the ranks that died (named with
     their exit codes) or raised, then the waits released because of them, then what to do.
     Released groups are rebuilt here (a soft restart), so the next cell just works."""
@@ -297,35 +202,20 @@ def cell_error(s, result: CellResult, targets: list[int], watch: WaitWatch) -> D
             f"{s.plan.timeout:.0f} s collective timeout"
         )
     if died or stuck:
-        advice = f". {HARD_RESTART}"
+        advice = f". {recovery.HARD_RESTART}"
     elif watch.released:
-        advice = ". " + _rebuild_groups(s)
+        advice = ". " + recovery.rebuild_after_release(s)
     else:
         advice = _advice(s, result)
         if result.timed_out:  # the groups a timed-out collective leaves are unusable
-            fix = HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
+            fix = recovery.HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
             s.book.groups_broken("a collective timed out", fix)
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
 
 
-def _waited_for(watch: WaitWatch, rank: int) -> str:
+def _waited_for(watch: CellWatch, rank: int) -> str:
     peers = watch.released.get(rank)
     return f"was waiting for {rank_label(peers)[1:-1]}" if peers else "lost a peer that left"
-
-
-def _rebuild_groups(s) -> str:
-    """The soft restart after a release: new process groups, variables kept. Until one
-    works, every command that needs the groups is refused (``Session.require_whole``)."""
-    try:
-        s.restart(after_failure=True)
-    except Exception as e:
-        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})", HARD_FIX)
-        return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
-    return (
-        "The process groups were rebuilt (variables kept), so `groups` and `mesh` are new: "
-        "re-create what you built on the old ones (DDP or FSDP modules, your own DeviceMesh "
-        "or new_group)."
-    )
 
 
 def _engine_died(e: BaseException) -> bool:
@@ -345,48 +235,11 @@ def _collective_timed_out(e: BaseException) -> bool:
     )
 
 
-def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
-    if not stuck:
-        return f"cell interrupted; {rank_label(targets)[1:-1]} stopped. The session is ready."
-    return (
-        f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
-        "see the stacks above)."
-    )
-
-
 def _advice(s, result: CellResult) -> str:
     """What to do next, for failures that leave the process groups unusable."""
     if result.timed_out:
         return (
             ". A collective timed out: the failing ranks waited for peers that never joined "
-            f"(their tracebacks show where). {_restart_advice(s)}"
+            f"(their tracebacks show where). {recovery.restart_advice(s)}"
         )
     return ""
-
-
-def _restart_advice(s, after_timeout: bool = False) -> str:
-    """How to recover from a timed-out collective, for the session's backend."""
-    why = soft_restart_fails(s.plan, os.environ)
-    if why is not None:
-        return f"{why[0].upper()}{why[1:]}: run %dist_restart --hard (variables are lost)."
-    if after_timeout:
-        return "%dist_restart rebuilds the process groups and keeps your variables."
-    return "The process groups are likely broken: run %dist_restart (keeps variables)."
-
-
-def failed_ranks(s, ranks: str | list[int] | None) -> list[int]:
-    """The ranks that failed in the last cell (of ``ranks``); DistUsageError if none."""
-    failed = sorted(s.last.errors) if s.last is not None else []
-    if not failed:
-        raise DistUsageError(
-            "The last cell did not fail, so there is no failing frame to inspect. "
-            "Post-mortem works right after a %%dist cell that raised on some rank."
-        )
-    if ranks is None:
-        return failed
-    chosen = parse_ranks(ranks, s.world_size)
-    if not set(chosen) <= set(failed):
-        raise DistUsageError(
-            f"Only {rank_label(failed)[1:-1]} failed in the last cell; pick --ranks among them."
-        )
-    return chosen

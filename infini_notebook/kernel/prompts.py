@@ -21,7 +21,8 @@ STOPPED = "the Stop button at its prompt"
 
 
 class Prompts:
-    """The questions of one running cell's ranks. ``follow`` calls ``serve`` in its loop."""
+    """The questions of one running cell's ranks. ``CellWatch.follow`` (watch.py) calls
+    ``serve`` in its loop."""
 
     def __init__(self, s, cell, on_answer=None):
         self.s, self.cell, self.on_answer = s, cell, on_answer

@@ -1,8 +1,10 @@
-"""Watching the ranks: signals, stacks (asked through the store, or by signal), what their
-cells wait in, which ranks are alive, stuck or dead and why (exit codes), and the status
-snapshot (the RankBook's rows with each rank's telemetry). Plain functions taking the
-Session; they read its owners (Engines, Rendezvous, SessionFolder) and write the RankBook
-through its methods."""
+"""The ranks, asked about from the kernel: which are alive, stuck or dead and why (exit
+codes), their stacks (asked through the store, or by signal), what their cells wait in,
+signals to them, and the status snapshot (the RankBook's rows with each rank's telemetry).
+Plain functions taking the Session; they read its owners (Engines, Rendezvous,
+SessionFolder) and write the RankBook through its methods. They answer and return: following
+a running cell is ``watch.py``'s, which asks here; nothing here calls back into it or into
+``execution.py``."""
 
 from __future__ import annotations
 

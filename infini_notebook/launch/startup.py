@@ -1,5 +1,6 @@
-"""Bringing the ranks up on their engines: each rank's bootstrap config, the bootstrap itself
-(its progress, and the first rank that failed with what it printed), the table of ranks it
+"""Bringing the ranks up on their engines (``bring_up``: the watchdog armed, the engines
+started, the ranks bootstrapped): each rank's bootstrap config, the bootstrap itself (its
+progress, and the first rank that failed with what it printed), the table of ranks it
 yields, and the folders a failed start of ssh engines leaves on their hosts. Functions over
 the owners (plan, Engines, Rendezvous, SessionFolder); the Session records the table in its
 RankBook."""
@@ -55,6 +56,20 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "kernel_start": kernel.create_time(),
         "stack_file": folder.stack_file(rank, plan.placement.multi_host),
     }
+
+
+def bring_up(
+    plan: SessionPlan,
+    engines: Engines,
+    rdzv: Rendezvous,
+    folder: SessionFolder,
+    progress: Progress | None = None,
+) -> list[RankState]:
+    """The watchdog armed, the engines up, every rank bootstrapped (a start, and what a hard
+    restart redoes); the table of ranks."""
+    folder.arm_watchdog()
+    engines.start(progress)
+    return bootstrap_ranks(plan, engines, rdzv, folder, progress)
 
 
 def bootstrap_ranks(

@@ -1,33 +1,48 @@
-"""Kernel side, while a cell runs: which ranks left it (raised, finished, died) and what the
-running ones wait in. A wait that can never finish (its group holds a rank that left) is
-released; a long wait with no rank gone is shown in place with where each rank waits.
-The pure part (who waits for whom, the sentences) is ``waits.py``.
+"""Watching a running cell, from its send until every rank left it: its output shown as it
+arrives (``Cell``), the ranks' questions for stdin answered (``Prompts``), ranks that
+finish, raise or die (a failure shown at once), what the running ones wait in, waits that
+can never finish released (their group holds a rank that left: ``release.py`` ends them),
+a long wait with no rank gone shown in place with where each rank waits, released ranks
+still stuck given up with their stacks, the Stop button, and the output that trails the
+replies. It asks ``supervision.py`` (liveness, waits, stacks, signals), which never calls
+back; ``execution.py`` sends the cell before and reads the result after. The pure part
+(who waits for whom, the sentences) is ``core/waits.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 
 from ..core import waits
-from ..core.output import left_debugger, one_line, remote_traceback
+from ..core.errors import DistCellError, DistInterrupted
+from ..core.output import left_debugger, main_thread_stack, one_line, remote_traceback
 from ..core.ranks import rank_label
-from . import supervision
+from ..launch.client import CONTROLLER_GONE
+from . import recovery, supervision
+from .prompts import Prompts
+from .release import ASK_WAIT_S, end_groups
 
 log = logging.getLogger("infini_notebook")
 
+INTERRUPT_GRACE_S = 3.0
+COLLAPSE_HOLD_S = 2.0
+DEAD_CHECK_S = 0.5  # how often a running cell looks for ranks that died
 GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left the cell
 HANG_AFTER_S = 2.0  # a rank in the same wait this long, nobody gone: show where ranks wait
 HANG_POLL_S = 1.0
 RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
 RELEASE_GIVE_UP_S = 30.0  # ... and one out of its wait but still in its cell, after this
 LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
-ASK_WAIT_S = 1.0  # answers come from a thread beside the cell: quick, unless the host is busy
 
 
-class WaitWatch:
-    """One running cell's view of its ranks' waits. ``follow`` feeds it the ranks that
-    leave (``left``) and calls ``tick`` in its loop."""
+class CellWatch:
+    """One running cell, followed until every rank left it (``follow``), then its trailing
+    output (``last_output``). What it found stays for the cell's result and error: which
+    ranks left and why (``gone``), which were released and for whom (``released``), whose
+    traceback was shown live (``shown_live``)."""
 
     def __init__(self, s, cell, cell_name: str = ""):
         self.s, self.cell, self.cell_name = s, cell, cell_name
@@ -47,6 +62,103 @@ class WaitWatch:
         self.next_ask = self.started + HANG_POLL_S
         self.hang_shown = ""
         self._handle = None
+
+    # ----- following the cell -------------------------------------------------------------
+    def follow(self) -> None:
+        """Show output as it arrives and each rank idle as soon as it is; answer the ranks'
+        prompts; notice ranks that fail or die while others run, and release the waits that
+        can never finish. The Stop button raises DistInterrupted."""
+        s, cell = self.s, self.cell
+        prompts = Prompts(s, cell, on_answer=self.human_answered)
+        s.book.set_busy(cell.targets, True)
+        try:
+            self._follow(prompts)
+        except KeyboardInterrupt:
+            stuck = self.interrupt()
+            cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
+            raise DistInterrupted(_interrupt_summary(cell.targets, stuck), ranks=stuck) from None
+        finally:
+            s.book.set_busy(cell.targets, False)
+            cell.detach()
+            s.rendezvous.drop_unread_answers()
+
+    def _follow(self, prompts: Prompts) -> None:
+        """The loop: until no rank of the cell is left running."""
+        s, cell = self.s, self.cell
+        t0 = last_check = time.monotonic()
+        running = set(cell.targets)
+        while running:
+            wake = min(self.next_wake(), prompts.next_poll)
+            pause = min(DEAD_CHECK_S, max(0.01, wake - time.monotonic()))
+            if cell.changed.wait(pause):
+                cell.changed.clear()  # before reading: a later message wakes the next wait
+            finished = {r for r in running if cell.done(r)}
+            # A lost connection is a consequence: look for a dead peer first, to name it.
+            if running - finished and (
+                time.monotonic() - last_check > DEAD_CHECK_S or self.lost_peer(finished)
+            ):
+                last_check = time.monotonic()
+                if not s.engines.client.controller_running():  # no reply can come any more
+                    raise DistCellError(CONTROLLER_GONE, ranks=sorted(running))
+                dead = set(supervision.dead_ranks(s, sorted(running - finished)))
+                if dead:  # their peers' waits are released below; the others finish
+                    running -= dead
+                    s.book.set_busy(dead, False)
+                    self.left(dead, running - finished, died=True)
+            if finished:
+                running -= finished
+                s.book.set_busy(finished, False)
+                self.left(finished, running)
+            # --collapse holds output back a little, so that lines the ranks print at about
+            # the same time arrive together and can be merged.
+            if not cell.labeler.collapse or time.monotonic() - t0 > COLLAPSE_HOLD_S:
+                cell.show(final=False)
+            if running:
+                prompts.serve()  # parks here while the user types: nothing is released
+            stuck = self.tick(running)
+            if stuck:  # released, yet still waiting: native code that ignores the release
+                running -= stuck
+                self._give_up(sorted(stuck))
+
+    def last_output(self) -> None:
+        """Once every rank left: the output that trails the replies (waited for while a rank
+        owing it is alive), shown, then the whole output again in rank order."""
+        self.cell.wait_for_trailing_output(supervision.liveness(self.s))
+        self.cell.show(final=True)
+        self.cell.render_final()
+
+    def _give_up(self, stuck: list[int]) -> None:
+        """End the cell without ranks that could not be released: show where they are; the
+        next cell on them is refused (execution.refuse_stuck) until they finish."""
+        self.s.book.add_stuck(stuck)
+        for r, text in self._stacks(stuck).items():
+            self.cell.note(r, text)
+
+    def interrupt(self) -> list[int]:
+        """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
+        code, such as a collective whose peers never came), show where they are and what to
+        do: they stay stuck until the collective timeout fires."""
+        s, targets = self.s, self.cell.targets
+        supervision.send_signal(s, signal.SIGINT, targets)
+        self.cell.ar.wait(INTERRUPT_GRACE_S)
+        stuck = [r for r in targets if not self.cell.done(r)]
+        if not stuck:
+            return []
+        s.book.add_stuck(stuck)  # added to: ranks stuck in an earlier cell may still be
+        report = "".join(self._stacks(stuck).values())
+        print(
+            f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck "
+            f"in native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
+            f"collective timeout fires; then {recovery.restart_advice(s, after_timeout=True)} "
+            "%dist_restart --hard restarts the engines now.",
+            file=sys.stderr,
+        )
+        return stuck
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's main thread, labeled, to show."""
+        stacks = supervision.stacks(self.s, ranks)
+        return {r: f"{rank_label([r])} stack:\n{main_thread_stack(stacks[r])}\n" for r in ranks}
 
     # ----- ranks leaving ------------------------------------------------------------------
     def left(self, ranks, running: set[int], died: bool = False) -> None:
@@ -212,50 +324,6 @@ class WaitWatch:
         )
 
 
-def end_groups(s, ending: list[int], blocked: list[int], gone: dict[int, str]) -> None:
-    """Release waits on the ranks ``ending`` (they left the cell, alive): they end their
-    process groups and close their connections to every other rank (gloo: a wait on such a
-    connection raises 'Connection closed by peer'; a dead rank's closed with it). Only
-    groups that hold a rank that left are touched: a connection joins two ranks' processes
-    and serves only groups holding both.
-
-    The ``blocked`` ranks (waiting in vain) are leaving too. On gloo they shut down their
-    connections to each other and to the ranks that left, from their answering thread: a
-    ring or tree collective waits on neighbours only, so releasing only the ranks next to
-    the one that left took a round per hop (8 ranks: four rounds, 1.3-4 s). On NCCL they
-    abort their communicators: only an abort ends a wait in NCCL."""
-    import json
-
-    from ..engine import bootstrap
-
-    nccl = "nccl" in s.plan.backend
-    if blocked:  # first, before anything of theirs is cut: see rank_services.release
-        s.rendezvous.ask(blocked, f"release {s.attempt}", ASK_WAIT_S)
-    links: dict[int, list] = {}
-    if ending or (blocked and not nccl):
-        alive = [r for r in range(s.world_size) if gone.get(r) != "died" and r not in ending]
-        answers = s.rendezvous.ask(alive, "links", ASK_WAIT_S)
-        links = {r: json.loads(text) for r, text in answers.items()}
-    if ending:
-        peer_links = [link for own in links.values() for link in own]
-        with s.engines.client.lock:
-            ar = s.engines.view(ending).apply_async(bootstrap.release_groups, peer_links)
-    if blocked and nccl:
-        s.rendezvous.ask(blocked, f"abort {s.attempt}", ASK_WAIT_S)
-    elif blocked:
-        leaving = set(blocked) | {r for r, why in gone.items() if why != "died"}
-        close = {r: waits.links_between(links, r, leaving) for r in blocked}
-        questions = {r: f"close {s.attempt} {json.dumps(own)}" for r, own in close.items() if own}
-        if questions:
-            s.rendezvous.ask(sorted(questions), questions, ASK_WAIT_S)
-    if ending:
-        try:
-            log.debug("released %s (%s): %s", ending, blocked, ar.get(timeout=10))
-        except Exception as e:
-            log.warning("ending the process groups of %s: %s", ending, e)
-        s.engines.client.forget(ar.msg_ids)
-
-
 # How a wait ends when its peer is gone: gloo's closed or reset connection, NCCL's abort.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "aborted")
 
@@ -268,3 +336,12 @@ def peer_lost(error: str) -> bool:
 
 def _engine_error(reply) -> bool:
     return getattr(reply, "ename", type(reply).__name__) == "EngineError"
+
+
+def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
+    if not stuck:
+        return f"cell interrupted; {rank_label(targets)[1:-1]} stopped. The session is ready."
+    return (
+        f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
+        "see the stacks above)."
+    )

@@ -1,0 +1,103 @@
+"""Bringing a session back: the soft restart (new process groups under a fresh store prefix
+on the same engines, variables kept), the hard restart (new engines), the rebuild after a
+failed cell's release, and what to tell the user to run. Functions taking the Session (its
+facade, ``Session.restart``, refuses a background cell and moves to the next attempt first);
+they write the RankBook through its methods."""
+
+from __future__ import annotations
+
+import os
+
+from ..core.errors import DistCellError, DistUsageError
+from ..core.output import one_line
+from ..core.plan import soft_restart_fails
+from ..core.ranks import rank_label
+from ..engine import bootstrap
+from ..launch import startup
+from . import supervision
+
+STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing a cell
+HARD_FIX = "%dist_restart --hard"
+HARD_RESTART = f"Run {HARD_FIX} to bring the session back (variables are lost)."
+
+
+def soft_restart(s, after_failure: bool = False) -> None:
+    """New process groups on the same engines, every variable kept. Refused (naming --hard)
+    for a dead rank or one still running earlier code; a rebuild that failed half way leaves
+    the groups marked not whole."""
+    dead = supervision.dead_ranks(s, range(s.world_size))
+    if dead:
+        raise DistUsageError(
+            f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
+        )
+    stuck = supervision.stuck_ranks(s, settle=STUCK_SETTLE_S)
+    if stuck:
+        raise DistUsageError(
+            f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
+            "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
+        )
+    attempt, nonce = s.rendezvous.attempt, s.rendezvous.nonce
+    with s.engines.client.lock:
+        pending = {
+            r: s.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
+            for r in range(s.world_size)
+        }
+    try:
+        infos = s.engines.client.gather(pending, what="restart", timeout=60)
+    except DistCellError as e:
+        s.book.groups_broken(f"a rebuild failed half way ({e.summary})", HARD_FIX)
+        raise DistCellError(f"{e.summary}. Use %dist_restart --hard.", e.report, e.ranks) from None
+    s.book.record(startup.rank_table(s.plan, s.engines, infos))
+    if after_failure:
+        s.book.groups_rebuilt()
+    else:
+        s.book.restarted(hard=False)
+
+
+def hard_restart(s, progress=None) -> None:
+    """New engines (variables are lost); if they cannot come up, stop everything rather than
+    leave half a session running."""
+    # A running controller stays (see Client.ensure_controller), and the spare engines
+    # forked while the session was idle become the ranks (see spares.py).
+    s.engines.stop_engines(keep_standby=True)
+    s.folder.remove_shared_files()
+    s.book.restarted(hard=True)
+    try:
+        s.book.record(startup.bring_up(s.plan, s.engines, s.rendezvous, s.folder, progress))
+    except KeyboardInterrupt:
+        s.stop()
+        raise
+    except Exception as e:
+        s.stop()
+        why = e.summary if isinstance(e, DistCellError) else one_line(e)
+        raise DistCellError(
+            f"Hard restart failed: {why}. The session is stopped and nothing is left "
+            "running: start a new one with %dist_start.",
+            getattr(e, "report", ""),
+            getattr(e, "ranks", []),
+        ) from None
+
+
+def rebuild_after_release(s) -> str:
+    """The soft restart after a release: new process groups, variables kept. Until one
+    works, every command that needs the groups is refused (``Session.require_whole``)."""
+    try:
+        s.restart(after_failure=True)
+    except Exception as e:
+        s.book.groups_broken(f"the rebuild after the failure failed ({one_line(e)})", HARD_FIX)
+        return f"Rebuilding the process groups failed ({one_line(e)}). {HARD_RESTART}"
+    return (
+        "The process groups were rebuilt (variables kept), so `groups` and `mesh` are new: "
+        "re-create what you built on the old ones (DDP or FSDP modules, your own DeviceMesh "
+        "or new_group)."
+    )
+
+
+def restart_advice(s, after_timeout: bool = False) -> str:
+    """How to recover from a timed-out collective, for the session's backend."""
+    why = soft_restart_fails(s.plan, os.environ)
+    if why is not None:
+        return f"{why[0].upper()}{why[1:]}: run %dist_restart --hard (variables are lost)."
+    if after_timeout:
+        return "%dist_restart rebuilds the process groups and keeps your variables."
+    return "The process groups are likely broken: run %dist_restart (keeps variables)."
