@@ -377,6 +377,9 @@ def _reconnect(connect, ours, lost_after: float):
             why = str(e)
         if time.monotonic() + delay > deadline:
             _say(f"lost the kernel's store for {lost_after:.0f} s ({why}); this rank ends")
+            from . import code_sync
+
+            code_sync.remove_copy()  # os._exit runs no atexit
             os._exit(3)
         time.sleep(delay)
         delay = min(2 * delay, 8.0)

@@ -80,4 +80,6 @@ def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
             f"{cell} still runs on {rank_label(sorted(running))[1:-1]} since {since} "
             f"(%dist_stacks, %dist_interrupt; its output until the last kernel ended: {out})"
         )
+    if s.reloader.on:  # kept with the session (see autoreload.py)
+        parts.append("autoreload on (%dist_autoreload)")
     return "; ".join(parts) + "."

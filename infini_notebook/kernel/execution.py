@@ -56,6 +56,7 @@ def run(
     if users:
         s.require_whole()
     refuse_stuck(s, targets)
+    said = s.reloader.before_cell(s, targets) if users else None  # %dist_autoreload
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
@@ -65,6 +66,8 @@ def run(
     with s.engines.client.lock:
         ar = _execute(s.engines.view(targets), code, name)
     cell = Cell(ar, targets, labeler, printer, files)
+    if said:  # kept in the cell's output, before the ranks' own
+        cell.note(targets[0], said)
     watch = WaitWatch(s, cell, name)
     prompts = Prompts(s, cell, on_answer=watch.human_answered)
     s.book.set_busy(targets, True)
