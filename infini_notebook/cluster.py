@@ -434,8 +434,6 @@ class Session:
         by a kept session. The line that says the state."""
         self.require_running()
         self.background.refuse("%dist_autoreload")
-        if on:
-            self.require_whole()
         return self.reloader.turn(self, on, copy_all)
 
     def autoreload_state(self) -> str:

@@ -137,6 +137,9 @@ def _make_folder(parent: str | None) -> str:
         folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}code-")
     _state["folder"] = folder
     atexit.register(remove_copy)
+    from . import rank_services
+
+    rank_services.BEFORE_EXIT.append(remove_copy)  # a rank that lost the kernel's store
     subprocess.Popen(  # removes it once this engine is gone, however it ends
         ["sh", "-c", WATCH, "infini-code-cleanup", str(os.getpid()), folder],
         stdin=subprocess.DEVNULL,
