@@ -22,6 +22,7 @@ from .core.state import CellResult, Progress, RankState
 from .kernel import attach as attach_kept
 from .kernel import diff, execution, post_mortem, recovery, supervision, transfer
 from .kernel import profile as cell_profile
+from .kernel.autoreload import AutoReload
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
 from .launch import engine_sets, keep, prewarm, startup
@@ -78,6 +79,7 @@ def attach(name: str, force: bool = False) -> tuple[Session, str]:
     kept = keep.find(name)
     session = Session(kept.plan, kept=kept)
     line = attach_kept.take_over(session, force)
+    session.reloader.attached()  # the kernel's own autoreload, as the session's setting
     session.running = True
     session.engines.plan_standby(session.book.idle_for)
     _current = session
@@ -97,7 +99,8 @@ class Session:
     - ``engines`` (Engines): which engine serves which rank, the client, template, spares;
     - ``book`` (RankBook): each rank's row, busy, failed and stuck ranks;
     - ``background`` (BackgroundCell): the --background cell, if one runs;
-    - ``keeper`` (Keeper): a kept session's lease and connection data (see keep.py).
+    - ``keeper`` (Keeper): a kept session's lease and connection data (see keep.py);
+    - ``reloader`` (AutoReload): %dist_autoreload's setting and the ranks' copies.
 
     ``last`` (the last cell's CellResult) and ``running`` are the facade's own."""
 
@@ -113,6 +116,7 @@ class Session:
         self.keeper = Keeper(plan, self.folder, kept)
         self.book = RankBook()
         self.background = BackgroundCell()
+        self.reloader = AutoReload(self.folder)  # %dist_autoreload (a kept session's: read)
         self.last: CellResult | None = None
         self.left_output = None  # cells an earlier kernel left running (kernel/left_output)
         self.running = False
@@ -349,6 +353,20 @@ class Session:
         self.require_running()
         self.background.refuse("%dist_debug")
         post_mortem.debug(self, ranks)
+
+    def set_autoreload(self, on: bool, copy_all: bool = False) -> str:
+        """Edited code on every rank: while on, the kernel and every rank reload a module
+        whose file changed before each cell (IPython's ``%autoreload 2``), and ranks that do
+        not see the notebook's folder (other hosts) get its changed .py files first (see
+        kernel/autoreload.py; ``copy_all``: every rank gets them). Kept across restarts and
+        by a kept session. The line that says the state."""
+        self.require_running()
+        self.background.refuse("%dist_autoreload")
+        return self.reloader.turn(self, on, copy_all)
+
+    def autoreload_state(self) -> str:
+        """%dist_autoreload's state, in a line."""
+        return self.reloader.describe(self)
 
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:

@@ -428,6 +428,33 @@ class DistMagics(Magics):
             "cells that start with a magic run here. %dist_auto off to stop."
         )
 
+    @magic_arguments()
+    @argument("state", nargs="*", help="on | off; none shows the current state")
+    @line_magic
+    def dist_autoreload(self, line: str):
+        """Edited code on every rank: while on, the kernel and every rank reload the modules
+        you edit before each cell (IPython's %autoreload 2). Ranks that do not see the
+        notebook's folder (on other hosts) get its .py files changed since their last copy
+        sent first (16 MiB at most in all; over it, one line names the files and nothing is
+        sent). It stays on across %dist_restart (--hard too) and in a kept session attached
+        from another kernel. With no argument it says the current state.
+        Example: %dist_autoreload on
+        """
+        state = [w.lower() for w in parse_argstring(self.dist_autoreload, line).state]
+        if state not in ([], ["on"], ["off"]):
+            raise DistUsageError(
+                "%dist_autoreload takes on, off, or nothing (to show the state), not "
+                f"{line.strip()!r}."
+            )
+        if not state:
+            session = cluster.current()
+            if session is None:
+                print("Autoreload: no session is running (%dist_start, then %dist_autoreload on).")
+            else:
+                print(session.autoreload_state())
+            return
+        print(_session().set_autoreload(state == ["on"]))
+
     def _auto_cell(self, cell: str) -> None:
         """One auto-mode cell: the marker, then the ordinary %%dist path."""
         if cluster.current() is None:

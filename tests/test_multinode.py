@@ -222,6 +222,7 @@ def test_two_host_ssh_session(hosts):
         k.run(
             "import time\nwhile 'busy' in [r.state for r in dist_session.status()]: time.sleep(0.2)"
         )
+        _autoreload_reaches_the_other_hosts(k, hosts)
         k.run("%%dist --ranks 2\nraise ValueError('boom')", allow_error=True)
         assert states(k) == ["idle", "idle", "failed", "idle"]
         grid = k.run("%dist_groups --color-by dp")
@@ -245,6 +246,46 @@ def test_two_host_ssh_session(hosts):
     assert session_folders(hosts, a) == [known] and session_folders(hosts, b) == []
     assert hosts.ssh(a, f"ls {marker} 2>&1").strip().endswith("No such file or directory")
     hosts.ssh(a, f"rm -rf {known}")
+
+
+def _autoreload_reaches_the_other_hosts(k, hosts: TwoHosts) -> None:
+    """%dist_autoreload with the notebook's folder in the kernel's /tmp, which neither host
+    sees: its .py files reach every rank, edits too, and a change over the cap is named."""
+    import tempfile
+
+    nb = tempfile.mkdtemp(prefix="autoreload-nb-")
+    module = os.path.join(nb, "armod.py")
+
+    def edit(n: int) -> None:  # a size per version: Python's bytecode check is by seconds
+        with open(module, "w") as f:
+            f.write(f"def f():\n    return 'v{n}'{' ' * n}\n")
+
+    edit(1)
+    try:
+        k.run(f"import os\nos.chdir({nb!r})")
+        said = text_of(k.run("%dist_autoreload on"))
+        assert "ranks 0-3, which do not see it, get its changed .py files sent first" in said
+        out = text_of(k.run("%%dist\nimport armod\nprint(armod.f())"))
+        assert all(f"[rank {r}] v1" in out for r in range(4)), out
+        edit(2)
+        out = text_of(k.run("%%dist\nprint(armod.f())"))
+        assert all(f"[rank {r}] v2" in out for r in range(4)), out
+        copies = [f for a in hosts.addrs for f in session_folders(hosts, a) if "-code-" in f]
+        assert len(copies) == 4  # a folder of each rank's own in its host's /tmp
+        with open(os.path.join(nb, "big.py"), "w") as f:  # over the 16 MiB cap
+            f.write("#" * (17 * 2**20) + "\n")
+        edit(3)
+        out = text_of(k.run("%%dist\nprint(armod.f())"))
+        assert "autoreload: nothing sent to ranks 0-3 (other hosts)" in out, out
+        assert "over the 16.0 MiB cap (big.py 17.0 MiB, armod.py 0.0 MiB)" in out
+        assert all(f"[rank {r}] v2" in out for r in range(4)), out  # the code they had
+        os.unlink(os.path.join(nb, "big.py"))
+        out = text_of(k.run("%%dist\nprint(armod.f())"))
+        assert all(f"[rank {r}] v3" in out for r in range(4)) and "cap" not in out, out
+        k.run("%dist_autoreload off")
+    finally:
+        k.run(f"os.chdir({REPO_ROOT!r})")
+        shutil.rmtree(nb)
 
 
 def _descendants(pids: set[int]) -> set[int]:

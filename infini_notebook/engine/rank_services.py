@@ -362,6 +362,11 @@ def watch_store(
     threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
 
 
+# What must run before the engine ends itself with os._exit (code_sync's copy of the
+# notebook's folder): atexit handlers do not run then.
+BEFORE_EXIT: list = []
+
+
 def _reconnect(connect, ours, lost_after: float):
     """A new client of the kernel's store (one that holds the session's signed key), retried
     with backoff for ``lost_after`` seconds; then the rank ends: its kernel is gone."""
@@ -377,6 +382,8 @@ def _reconnect(connect, ours, lost_after: float):
             why = str(e)
         if time.monotonic() + delay > deadline:
             _say(f"lost the kernel's store for {lost_after:.0f} s ({why}); this rank ends")
+            for cleanup in BEFORE_EXIT:  # os._exit runs no atexit
+                cleanup()
             os._exit(3)
         time.sleep(delay)
         delay = min(2 * delay, 8.0)

@@ -85,4 +85,6 @@ def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
             f"(%dist_stacks, %dist_interrupt; all its output so far, and more as it comes: "
             f"{out})"
         )
+    if s.reloader.on:  # kept with the session (see autoreload.py)
+        parts.append("autoreload on (%dist_autoreload)")
     return "; ".join(parts) + "."

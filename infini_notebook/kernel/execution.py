@@ -46,6 +46,7 @@ def run(
     if users:
         s.require_whole()
     refuse_stuck(s, targets)
+    said = s.reloader.before_cell(s, targets) if users else None  # %dist_autoreload
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
@@ -58,6 +59,8 @@ def run(
         )
     )
     ar = cell.ar
+    if said:  # kept in the cell's output, before the ranks' own
+        cell.note(targets[0], said)
     watch = CellWatch(s, cell, name)
     try:
         watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
