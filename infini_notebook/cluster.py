@@ -91,6 +91,11 @@ def lost() -> str | None:
     return _current.keeper.lost if _current is not None else None
 
 
+def lost_name() -> str | None:
+    """The name of the kept session this kernel lost (see lost)."""
+    return _current.keeper.name if _current is not None else None
+
+
 class Session:
     """The facade over a session's owners, each the only writer of its state:
 

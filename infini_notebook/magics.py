@@ -145,6 +145,12 @@ class DistMagics(Magics):
             keep.stop(name)
             print(f"Session {name!r} stopped.")
             return
+        if session is None and cluster.lost():  # another kernel took it, or stopped it
+            lost = cluster.lost()
+            if "no longer drives" in lost:
+                lost += f" Nothing was stopped; %dist_stop {cluster.lost_name()} ends it."
+            print(lost)
+            return
         if session is None:
             warm = prewarm.warm_template() is not None
             prewarm.discard()

@@ -123,6 +123,8 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
         assert "[rank 1] 11" in text_of(second.run("%%dist\nprint(x)"))
         lost = text_of(first.run("%%dist\nprint(x)", allow_error=True))
         assert "no longer drives session" in lost and f"kernel pid {second.kernel_pid}" in lost
+        kept_on = text_of(first.run("%dist_stop"))  # not "No session is running."
+        assert "no longer drives" in kept_on and "Nothing was stopped" in kept_on, kept_on
 
         # SIGKILL of the driving kernel while a cell runs: the cell goes on, the first
         # kernel attaches again (no --force), sees it, its stacks, and interrupts it
@@ -197,12 +199,23 @@ def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
         cells.run(f"%dist_start --nprocs 2 --name {name} --keep 1m", timeout=180)
         folder = folder_of(cells)
         rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
-        run_sync(cells.client.km.restart_kernel)(now=True)
+        # JupyterLab's Restart interrupts the kernel before it asks it to shut down: the
+        # cell that runs (not in the background) goes on all the same
+        began = os.path.join(folder, "began")
+        cells.client.kc.execute(
+            f"%%dist\nimport time\nopen(f'{began}{{rank}}', 'w').close()\n"
+            "for i in range(600):\n    time.sleep(0.1); print('tick', i)"
+        )
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{began}{r}") for r in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run_sync(cells.client.km.restart_kernel)(now=False)
         run_sync(cells.client.kc.wait_for_ready)(timeout=60)
         psutil.Process(rank1).kill()
         cells.run("%load_ext infini_notebook")
         said = text_of(cells.run(f"%dist_attach {name}"))
-        assert "rank 1 died while detached" in said, said
+        assert "rank 1 died while detached" in said and "still runs on rank 0" in said, said
         assert "died" in text_of(cells.run("%dist_status"))
         cells.run("%dist_restart --hard", timeout=180)
         out = text_of(cells.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))

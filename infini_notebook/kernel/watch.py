@@ -29,6 +29,9 @@ log = logging.getLogger("infini_notebook")
 
 INTERRUPT_GRACE_S = 3.0
 COLLAPSE_HOLD_S = 2.0
+# Jupyter's restart and shutdown interrupt the kernel before they end it: a kept session's
+# Stop waits this long for the shutdown request that tells the two apart.
+SHUTDOWN_GRACE_S = 1.0
 DEAD_CHECK_S = 0.5  # how often a running cell looks for ranks that died
 GONE_POLL_S = 0.25  # how often running ranks are asked while a rank has left the cell
 HANG_AFTER_S = 2.0  # a rank in the same wait this long, nobody gone: show where ranks wait
@@ -74,6 +77,12 @@ class CellWatch:
         try:
             self._follow(prompts)
         except KeyboardInterrupt:
+            if s.keeper.keeps and kernel_shuts_down(SHUTDOWN_GRACE_S):
+                raise DistInterrupted(
+                    f"The kernel shuts down: the cell goes on in kept session "
+                    f"{s.keeper.name!r} (%dist_attach {s.keeper.name} from the next kernel).",
+                    ranks=[],
+                ) from None
             stuck = self.interrupt()
             cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
             raise DistInterrupted(_interrupt_summary(cell.targets, stuck), ranks=stuck) from None
@@ -345,3 +354,22 @@ def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
         f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
         "see the stacks above)."
     )
+
+
+def kernel_shuts_down(grace: float) -> bool:
+    """Whether the interrupt that came was the first step of Jupyter's restart or shutdown
+    (jupyter_client interrupts the kernel, then asks it to shut down, or kills it, at once):
+    True once the shutdown request arrives within ``grace`` seconds (IPython's ``exit_now``,
+    set on the kernel's control thread). A second Stop within it is a Stop."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        deadline = time.monotonic() + grace
+        while shell is not None and time.monotonic() < deadline:
+            if getattr(shell, "exit_now", False):
+                return True
+            time.sleep(0.02)
+        return bool(getattr(shell, "exit_now", False))
+    except (ImportError, KeyboardInterrupt):
+        return False

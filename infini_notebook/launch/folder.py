@@ -66,6 +66,12 @@ class SessionFolder:
         outlives the kernel (see keep.py)."""
         return psutil.Process(self._watchdog.pid)
 
+    def reap_watchdog(self) -> None:
+        """Collect the exit of this kernel's watchdog child, if it ended (a kept session
+        stopped from another kernel): no zombie stays while this kernel lives."""
+        if isinstance(self._watchdog, subprocess.Popen):
+            self._watchdog.poll()
+
     def disarm_watchdog(self) -> None:
         if self._watchdog is not None:
             stop_watchdog(self._watchdog)

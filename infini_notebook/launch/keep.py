@@ -40,9 +40,12 @@ from .watchdog import (
     FOLDER_PREFIX,
     LEASE,
     MARK,
+    end_all,
     read_json,
     remove_session_folder,
+    remove_shared_files,
     same_process,
+    session_processes,
 )
 
 CONNECTION = "keep.json"
@@ -192,6 +195,7 @@ class Keeper:
         holder = lease.get("holder")
         if holder and int(holder[0]) == me()[0]:
             return True
+        self.folder.reap_watchdog()  # ours, ended by %dist_stop NAME: no zombie left
         if lease.get("end") or not os.path.isdir(self.folder.path):
             self._lost = f"Session {self.name!r} was stopped from another kernel."
         else:
@@ -286,13 +290,32 @@ def kept_sessions() -> dict[str, Kept]:
         kept = _load(workdir)
         if isinstance(kept, Kept):
             found[kept.name] = kept
-        elif kept.startswith("stale") and _private(workdir, 0o700):
-            remove_session_folder(workdir)
+        elif kept.startswith("stale"):
+            remove_stale(workdir)
     return found
 
 
+def remove_stale(workdir: str) -> None:
+    """What the watchdog of a session whose watchdog is gone would have done: end the
+    processes it left (its watchdog was killed: the controller and the template do not
+    watch it; after a reboot there are none), remove the folder and its /dev/shm folder."""
+    if not _private(workdir, 0o700):
+        return
+    data = read_json(os.path.join(workdir, CONNECTION)) or {}
+    try:
+        created = float(data["created"])
+    except (KeyError, TypeError, ValueError):
+        created = os.stat(workdir).st_mtime  # no process of it is older than its folder
+    for _ in range(2):  # a template caught halfway may still fork
+        end_all(session_processes(os.path.join(workdir, "profile"), created))
+    remove_session_folder(workdir)
+    remove_shared_files(workdir)
+
+
 def find(name: str) -> Kept:
-    """The kept session ``name``; DistUsageError naming what exists otherwise."""
+    """The kept session ``name``; DistUsageError naming what exists otherwise. A folder
+    of another user's (or a stale one) that claims the name does not hide this user's."""
+    problem = None
     for workdir in _candidates():
         data = read_json(os.path.join(workdir, CONNECTION)) or {}
         if data.get("name") != name:
@@ -300,9 +323,11 @@ def find(name: str) -> Kept:
         kept = _load(workdir)
         if isinstance(kept, Kept):
             return kept
-        if kept.startswith("stale") and _private(workdir, 0o700):
-            remove_session_folder(workdir)
-        raise DistUsageError(f"Cannot attach session {name!r}: {kept}.")
+        if kept.startswith("stale"):
+            remove_stale(workdir)
+        problem = problem or kept
+    if problem:
+        raise DistUsageError(f"Cannot attach session {name!r}: {problem}.")
     names = sorted(kept_sessions())
     known = f"Kept sessions: {', '.join(names)}." if names else "No session is kept."
     raise DistUsageError(f"No kept session is named {name!r}. {known} See %dist_sessions.")
@@ -323,13 +348,16 @@ def stop(name: str, timeout: float = 30.0) -> None:
     kept = find(name)
     lease = read_json(os.path.join(kept.workdir, LEASE)) or {}
     write_private(os.path.join(kept.workdir, LEASE), json.dumps(dict(lease, end=True)).encode())
-    try:
-        kept.watchdog.wait(timeout)
-    except psutil.TimeoutExpired:
-        raise DistUsageError(
-            f"Session {name!r} did not end within {timeout:.0f}s; its watchdog is pid "
-            f"{kept.watchdog.pid}."
-        ) from None
+    # Not psutil's wait: a watchdog is the child of the kernel that started the session,
+    # and while that kernel lives an ended one stays a zombie until it is reaped.
+    deadline = time.monotonic() + timeout
+    while same_process(kept.watchdog.pid, kept.watchdog.create_time()) is not None:
+        if time.monotonic() > deadline:
+            raise DistUsageError(
+                f"Session {name!r} did not end within {timeout:.0f}s; its watchdog is pid "
+                f"{kept.watchdog.pid}."
+            )
+        time.sleep(0.1)
 
 
 def describe(kept: Kept, now: float | None = None) -> dict:
@@ -350,8 +378,6 @@ def describe(kept: Kept, now: float | None = None) -> dict:
         driver = f"detached, ends in {format_duration(since + kept.keep_s - now)}"
     plan = kept.plan
     gpus = f"{plan.backend}, GPUs {','.join(plan.gpus)}" if plan.gpus else plan.backend
-    from .watchdog import session_processes
-
     procs = session_processes(os.path.join(kept.workdir, "profile"), kept.created)
     rss = 0
     for p in procs:
