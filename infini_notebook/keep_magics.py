@@ -38,8 +38,9 @@ class KeepMagics(Magics):
     @line_magic
     def dist_sessions(self, line: str):
         """This user's kept sessions on this machine: name, ranks, backend and GPUs, when
-        started, the kernel that drives it or "detached, ends in 8m 20s", memory (every
-        process of it). Returns the DataFrame where the line is assigned (df = %dist_sessions).
+        started, the kernel that drives it or "detached, ends in 8m 20s", memory (the
+        proportional share of every process of it: pages shared by forked engines counted
+        once). Returns the DataFrame where the line is assigned (df = %dist_sessions).
         """
         import pandas as pd
 

@@ -379,10 +379,10 @@ def describe(kept: Kept, now: float | None = None) -> dict:
     plan = kept.plan
     gpus = f"{plan.backend}, GPUs {','.join(plan.gpus)}" if plan.gpus else plan.backend
     procs = session_processes(os.path.join(kept.workdir, "profile"), kept.created)
-    rss = 0
+    used = 0  # PSS: forked spares share most pages with the template (RSS counted them 5x)
     for p in procs:
         try:
-            rss += p.memory_info().rss
+            used += _pss(p)
         except psutil.Error:
             pass
     started = kept.data.get("started", kept.created)
@@ -392,5 +392,13 @@ def describe(kept: Kept, now: float | None = None) -> dict:
         "backend": gpus,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "driver": driver,
-        "memory": format_bytes(rss),
+        "memory": format_bytes(used),
     }
+
+
+def _pss(proc: psutil.Process) -> int:
+    """The process's proportional share of the memory it maps (Linux); RSS elsewhere."""
+    try:
+        return proc.memory_full_info().pss
+    except (AttributeError, psutil.AccessDenied):
+        return proc.memory_info().rss
