@@ -64,13 +64,15 @@ def follow(s) -> None:
         return
     try:
         query = {"msg_id": {"$in": left.msg_ids()}}
-        keys = ["msg_id", *STREAMS, "completed"]
+        keys = ["msg_id", *STREAMS, "completed", "submitted"]
         reply = s.engines.client.ask_controller("db_request", {"query": query, "keys": keys})
     except Exception:  # the controller is gone: the files keep what they have
         s.left_output = None
         return
-    records = {r["msg_id"]: r for r in reply.get("records", [])}
+    # A record gone was purged once complete (launch/client.py); one without ``submitted``
+    # was made again by a message that came after the purge (Hub.save_iopub_message makes
+    # a record for an unknown id) and holds only that: both leave the section as it is.
+    records = {r["msg_id"]: r for r in reply.get("records", []) if r.get("submitted")}
     left.write(records)
-    # a record gone was purged once complete (launch/client.py): its section stays as is
     if all(records.get(m, {"completed": True}).get("completed") for m in left.msg_ids()):
         s.left_output = None
