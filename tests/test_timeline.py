@@ -584,12 +584,15 @@ def test_the_streamed_merge_is_the_one_in_memory():
     zero, bases = trace_merge.zero_us(out), trace_merge.flow_bases(out)
     pieces = {
         t.rank: trace_merge.fragment(
-            trace_merge.shift(json.loads(json.dumps(t.events)), t.rank, t.shift_us - zero,
-                              bases[t.rank])  # fmt: skip
+            trace_merge.shift(
+                json.loads(json.dumps(t.events)), t.rank, t.shift_us - zero, bases[t.rank]
+            )  # fmt: skip
         )
         for t in out
     }
-    f = io.StringIO()
-    chunks = {r: [p[: len(p) // 2], "", p[len(p) // 2 :]] for r, p in pieces.items()}
+    f = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    chunks = {r: [p[: len(p) // 2], b"", p[len(p) // 2 :].encode()] for r, p in pieces.items()}
     trace_merge.write(f, out, {0: "a"}, lambda r: chunks[r], zero)
-    assert json.loads(f.getvalue()) == json.loads(json.dumps(trace_merge.merged(out, {0: "a"})))
+    f.flush()
+    written = json.loads(f.buffer.getvalue())
+    assert written == json.loads(json.dumps(trace_merge.merged(out, {0: "a"})))

@@ -75,17 +75,28 @@ def track(t, host: str | None) -> list[dict]:
 
 def write(f, traces, hosts: dict[int, str], fragments, zero: float) -> None:
     """The merged trace into the text file ``f``: each rank's track, then its fragment
-    (``fragments(rank)`` yields its text in chunks), streamed, never whole in memory."""
+    (``fragments(rank)`` yields its text in chunks, str or UTF-8 bytes), streamed, never
+    whole in memory."""
     f.write('{"traceEvents": [')
     for i, t in enumerate(traces):
         f.write((", " if i else "") + json.dumps(track(t, hosts.get(t.rank)))[1:-1])
         chunks = (c for c in fragments(t.rank) if c)
         first = next(chunks, None)
         if first is not None:  # a rank with no events has no fragment
-            f.write(", " + first)
-            for chunk in chunks:
-                f.write(chunk)
+            f.write(", ")
+            for chunk in (first, *chunks):
+                _put(f, chunk)
     f.write(f'], "displayTimeUnit": "ms", "otherData": {json.dumps({"zero_us": zero})}}}')
+
+
+def _put(f, chunk: str | bytes) -> None:
+    """Text as text; bytes (UTF-8, read from a rank's fragment file) straight to the text
+    file's buffer, neither decoded nor encoded again."""
+    if isinstance(chunk, str):
+        f.write(chunk)
+    else:
+        f.flush()
+        f.buffer.write(chunk)
 
 
 def merged(traces, hosts: dict[int, str] | None = None) -> dict:

@@ -231,7 +231,7 @@ def _write_files(folder: str, traces, hosts: dict, written: dict, zero: float):
             yield got["fragment"]
             return
         fd = os.open(got["fragment_file"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with open(fd, encoding="utf-8") as f:
+        with open(fd, "rb") as f:
             while chunk := f.read(1 << 20):
                 yield chunk
 
