@@ -19,20 +19,17 @@ from __future__ import annotations
 import json
 
 from . import kineto as k
+from .timeline import summary
 
 
 def zero_us(traces) -> float:
     """The earliest kept event on the kernel's clock (the merged trace's time 0)."""
-    from .timeline import summary
-
     firsts = [summary(t).first_ts + t.shift_us for t in traces if summary(t).first_ts is not None]
     return min(firsts, default=0.0)
 
 
 def flow_bases(traces) -> dict[int, int]:
     """Rank -> the number its flow ids start after (the earlier ranks' flows)."""
-    from .timeline import summary
-
     bases, n = {}, 0
     for t in traces:
         bases[t.rank] = n
@@ -60,8 +57,6 @@ def fragment(events: list[dict]) -> str:
 
 def track(t, host: str | None) -> list[dict]:
     """A rank's track metadata: its name (and host), its place, its threads' names."""
-    from .timeline import summary
-
     label = f"rank {t.rank}" + (f" ({host})" if host else "")
     out = [
         {"ph": "M", "name": "process_name", "pid": t.rank, "args": {"name": label}},
