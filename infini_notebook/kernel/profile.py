@@ -116,7 +116,11 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
     timeline.align(traces)
     cell = re.sub(r"\W", "", name or "") or "cell"  # In4, not In[4]: no quoting in a shell
     folder = out or os.path.join("dist_profile", f"{cell}-{time.strftime('%Y%m%d-%H%M%S')}")
-    folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
+    try:
+        folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
+    except BaseException:  # the ranks keep their parsed traces for ``write``: drop them
+        _stop_all(s, [t.rank for t in traces])
+        raise
     # each rank moves and writes its own events while the kernel makes the tables
     zero, bases = trace_merge.zero_us(traces), trace_merge.flow_bases(traces)
     here = os.path.abspath(folder)
