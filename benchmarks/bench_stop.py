@@ -12,20 +12,25 @@ Targets: stop <= 0.5 s at 16 ranks (issue 43; issue 14 asked 1 s); hard restart 
 start.
 
 Profile (16 ranks, 2026-11-26, this 2-core VM; py-spy of the kernel, then each step timed,
-three stops of 0.31-0.37 s): ``Engines.stop_all`` is all of it. Signals cost nothing worth
-counting (SIGKILL to the 16 engines by pid: 6-33 ms, psutil checking each start time);
-the rest is waiting for processes to end, which the OS does at its own pace: the engines'
-exits (``psutil.wait_procs``, 70-95 ms: 16 address spaces of torch torn down on 2 cores),
-ipyparallel's stop of the engine set (65-160 ms: each launcher hears its engine's exit code
-from the template), the template with the 16 nannies it forked (95-120 ms: SIGTERM, then
-SIGKILL, then their exits) and the controller (85 ms). Everything else (folders, store,
-watchdog) is under 5 ms. "One signal per process group" would save the 6-33 ms of
-signalling at most: each engine and nanny has a session of its own (``new_session``, as
-``Popen(start_new_session=True)`` gives: a signal to the kernel's group must not reach them),
-and the processes' own exits stay the floor. A session whose spare engines were forked
-(after it sat idle) has 16 more engines and nannies to end; this benchmark stops at once.
-Measured 2026-11-26 (best of 3, one run): stop 0.18 / 0.21 / 0.25 / 0.36 s at 2 / 4 / 8 / 16
-ranks, one import torch 0.84 s: met at 16 (0.43x one import torch).
+three stops of 0.31-0.37 s): ``Engines.stop_all`` is all of it. Signals cost little
+(SIGKILL to the 16 engines by pid: 6-33 ms, psutil checking each start time); the rest was
+waiting, one phase after another: ipyparallel's stop of the engine set (65-160 ms: each
+launcher hears its engine's exit code from the template), the engines' exits
+(``psutil.wait_procs``, 70-95 ms), then the template with the 16 nannies it forked, only
+signalled now (95-120 ms: SIGTERM, SIGKILL, their exits), then the controller (85 ms).
+Everything else (folders, store, watchdog) is under 5 ms. Now everything the template
+forked (engines, nannies, spare engines) gets SIGKILL in one pass before ipyparallel's stop
+(``WarmTemplate.kill_forked``; the template, alive, still reaps them and reports each exit
+code), so their exits overlap: the set's stop 35-70 ms, the engines' wait ~10 ms, the
+template 10 ms, the controller 75-80 ms (stops of 0.17-0.21 s). A single ``killpg`` would
+not save more: the signals were never the cost, and each engine and nanny has a session of
+its own (``new_session``, as ``Popen(start_new_session=True)``: a signal to the kernel's
+group must not reach them). A session whose spare engines were forked (after it sat idle)
+has 16 more engines and nannies to end; this benchmark stops at once.
+Measured 2026-11-26, the stop at 16 ranks before (main) and after, back to back in one run
+(best of 3; one import torch 0.89-0.96 s): 0.28 -> 0.24 s, then 0.35 -> 0.20 s. All sizes
+with this change: 0.12 / 0.15 / 0.18 / 0.22 s at 2 / 4 / 8 / 16 ranks (import torch 0.92 s):
+met (issue 43's 0.72 s was on a day one import torch took 2.96 s).
 """
 
 from __future__ import annotations
