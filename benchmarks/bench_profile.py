@@ -40,9 +40,10 @@ none of these: its trace stays one unaligned file per rank. So ours is torch's t
 ~0.3 s at 100 steps (~1.3x) and + ~0.1 s at 20 (~1.5x, the round trips dominate): the 1.2x
 goal is not reached on 2 cores with 4 ranks; with a core per rank the parse/encode part
 halves (it runs in parallel), which puts 100 steps near 1.2x.
-Measured 2026-11-26, same run, best of 5: 20 steps plain 0.19 s, torch 0.23 s, ours 0.35 s
-(1.51x; was 1.66x); 100 steps 0.78 / 0.95 / 1.35 s (1.42x; 1.33x in an earlier run; was
-2.03x, 1.76x / 1.82x in issue 43).
+Measured 2026-11-26, before (main) and after, back to back in one run, best of 5 each:
+20 steps: torch alone 0.23 / 0.22 s, ours 0.41 -> 0.35 s: 1.79x -> 1.63x; 100 steps: torch
+alone 0.98 / 0.93 s, ours 1.97 -> 1.34 s: 2.01x -> 1.43x (issue 43 had 1.76x / 1.82x; other
+runs of this version: 1.51-1.53x and 1.33-1.42x).
 """
 
 from __future__ import annotations
