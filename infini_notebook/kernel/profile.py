@@ -94,6 +94,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         )
     too_big = {r: g["too_big"] for r, g in got.items() if "too_big" in g}
     if too_big:
+        _stop_all(s, [r for r, g in got.items() if "summary" in g])  # their parsed traces
         sizes = ", ".join(f"{rank_label([r])[1:-1]} {b / 2**20:.0f} MB" for r, b in too_big.items())
         raise DistUsageError(
             f"The traces are over the {max_mb:g} MB limit ({sizes}): profile fewer steps, or "
@@ -109,7 +110,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
             fr_lost=g["fr_lost"],
             group_ranks=g["group_ranks"],
             given=g["summary"],
-        )  # fmt: skip
+        )
         for r, g in sorted(got.items())
         if "summary" in g
     ]
@@ -134,7 +135,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
                     t.shift_us - zero,
                     bases[t.rank],
                 ),
-            )  # fmt: skip
+            )
             for t in traces
         },
         "profile write",
@@ -200,6 +201,8 @@ def _start(s, targets: list[int]) -> None:
 
 
 def _stop_all(s, targets: list[int]) -> None:
+    if not targets:
+        return
     try:
         s.apply(profiling.stop_quietly, ranks=targets)
     except DistCellError:
