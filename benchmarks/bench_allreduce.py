@@ -1,14 +1,32 @@
 """%dist_bench against a plain torch.distributed loop: 1 MiB all_reduce on 4 gloo ranks
 (or one rank per GPU on nccl with --gpus N, where %dist_bench times with CUDA events).
 
-    .venv/bin/python benchmarks/bench_allreduce.py [--nprocs 4 | --gpus N] [--iters 50]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_allreduce.py [--nprocs 4 | --gpus N]
+        [--iters 50] [--repeats 15]
 
 Both run on the same engines in one process, interleaved so that both see the same machine
 load: ``%dist_bench all_reduce --sizes 1M`` (its reported time per iteration) and a loop
 typed into ``%%dist`` (barrier; perf_counter; all_reduce x iters; barrier; mean over ranks).
-Target (issue 4): our time at most 10% over the plain loop's. Below it is no fault: the
-plain loop's closing synchronize and barrier count in its time (on one H200, NCCL, 1 MiB:
-ratio 0.71 at 50 iters, 0.89 at 500).
+The headline is the best of each (timeit's rule: other load only adds time); the median of
+the per-pair ratios (each run of ours over the plain run beside it) cancels slow drifts
+of the machine's load.
+Target (issue 43): 1.00 +- 0.05 (issue 4 asked at most 1.10). On one H200, NCCL, 1 MiB:
+ratio 0.71 at 50 iters, 0.89 at 500 (the plain loop's closing synchronize and barrier count
+in its time; more --iters narrow the gap).
+
+Profile (py-spy, rank 0 and the kernel, 5 interleaved pairs on this 2-core VM, 2026-11-26):
+the rank's main thread spends its time in ``all_reduce`` in both (2.06 s under
+``engine_step``, 2.21 s under the cell's ``<module>``, which also holds the cell's warm-up
+allocation), the same threads run beside both (ipykernel's IOPub/Control and fd watchers,
+the store's stack answerer and the 1 s telemetry thread, all parked), and the kernel only
+waits during either (``Condition.wait``; the cell's prompt poll is one store check per
+0.1 s). ``engine_step`` is the plain loop: the same warm-up, barrier, perf_counter and
+closing barrier, with one lambda call per iteration (~0.1 µs against ~5 ms). What is left
+is the noise of 4 CPU-bound ranks on 2 cores: single runs spread by +-10 %.
+Measured 2026-11-26 on this 2-core VM (4 gloo ranks, 50 iters, 15 pairs, one run): best
+plain 5080 µs/iter, %dist_bench 4942 µs/iter, ratio 0.973; median of the pair ratios 0.991:
+met. Issue 43's 1.23x did not reproduce (0.94 and 1.05 in two earlier runs of 9 pairs, the
+second beside another job).
 """
 
 from __future__ import annotations
@@ -62,7 +80,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None, help="one rank per GPU, nccl")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
 
     from IPython.testing.globalipapp import start_ipython
@@ -102,11 +120,14 @@ def report(args, mine: list[float], hand: list[float], walls: list[float]) -> No
             f"  {name:>6}: plain loop {h * 1e6:8.1f} us/iter, %dist_bench {m * 1e6:8.1f} "
             f"us/iter, ratio {m / h:.3f}"
         )
+    paired = statistics.median(m / h for m, h in zip(mine, hand))
+    print(f"  paired: median of the {len(mine)} per-pair ratios {paired:.3f}")
     runs_us = [round(x * 1e6) for x in mine], [round(x * 1e6) for x in hand]
     print(f"  runs (us): ours {runs_us[0]}\n             plain {runs_us[1]}")
     print(f"  %dist_bench wall per call, table and PNG included: {statistics.median(walls):.2f} s")
     ratio = min(mine) / min(hand)
-    print(f"  target: %dist_bench at most 10% slower -> {'PASS' if ratio <= 1.10 else 'FAIL'}")
+    met = abs(ratio - 1) <= 0.05
+    print(f"  target (issue 43): 1.00 +- 0.05 -> {'met' if met else 'MISSED'} ({ratio:.3f})")
     if ratio < 0.90:  # seen on one H200: 0.71 at 50 iters, 0.89 at 500
         print(
             "  (faster than the plain loop: its closing synchronize and barrier, a fixed cost "

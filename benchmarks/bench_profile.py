@@ -1,7 +1,8 @@
 """What ``%%dist_profile`` costs on top of ``torch.profiler`` alone, for a short training
 loop.
 
-    .venv/bin/python benchmarks/bench_profile.py [--ranks 4] [--steps 20] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_profile.py [--ranks 4] [--steps 20]
+        [--repeats 5]
 
 A session of ``--ranks`` CPU ranks; the loop trains a small MLP with DDP for ``--steps``
 steps. Timed from the notebook's side, best of ``--repeats`` (interleaved):
@@ -9,15 +10,40 @@ steps. Timed from the notebook's side, best of ``--repeats`` (interleaved):
   torch     the loop inside ``torch.profiler.profile()`` on each rank, each exporting its
             own Chrome trace to /tmp (what a user does by hand: N files, N clocks)
   ours      ``session.profile(loop)``: the same profiler, plus clock samples, the Flight
-            Recorder read, the traces sent to the kernel, aligned, merged and written (its
-            figure is drawn when shown: 0.3-0.5 s more in a notebook)
-Target (issue 31): ours at most 2x torch's time (both pay the profiler; ours adds the
-traces' trip to the kernel, the matching of collectives across ranks, the clock fit, one
-merged file and the tables, all in the kernel: about 5 µs per trace event). Measured
-2026-11-26 on this 2-core VM, 4 ranks, after issue 39's accounting (unions of intervals,
-NCCL/gloo matching, least-squares clocks): 20 steps plain 0.18 s, torch alone 0.22 s, ours
-0.39 s (1.76x); 100 steps 0.79 / 0.96 / 1.76 s (1.82x). Next step if it matters: let each
-rank shift and write its own events in parallel once the kernel has the clock offsets.
+            Recorder read, each rank's trace summarized and shifted to one clock, the tables
+            and one merged file (its figure is drawn when shown: 0.3-0.5 s more in a notebook)
+Target (issue 43): ours <= 1.2x torch's time (issue 31 asked 2x).
+
+Where the time went (py-spy of the kernel and of rank 0, then each step timed; 4 ranks,
+100 steps, this 2-core VM, 2026-11-26). Before: the kernel parsed the 4 traces (16.6k
+events each, 4.2 MB), walked every event for the tables and encoded them again for
+merged.json, one after another: ~1 s of the kernel's CPU (the tables 0.38 s, the JSON
+0.3 s, the traces' trip 0.17 s) against torch's own 0.15 s. Now each rank, in parallel,
+parses its own trace and sends a summary of a few kB (timeline.summarize: its window,
+ops, compute spans and self times), the kernel aligns the clocks and makes the tables from
+those (~60 ms), and each rank then shifts its events by the offset the kernel sent and
+writes its own rankN.json and its part of the merged trace, which the kernel streams into
+merged.json (~10 ms). Two finds on the way: the cyclic collector, set off by the 10^5
+dicts of a parsed trace, walked every object of the rank (torch's too): a summary took
+120-180 ms with it, 35 ms without (it is off while a trace's dicts are made); self times
+sorted as tuples in C, not by a Python key.
+
+What is left (100 steps, one run: plain 0.82 s, ours 1.29 s): the cell under the profiler
+0.84 s; the stop 0.26 s, of which the profiler's own stop and export (torch's cost too,
+paid inside its cell) and, per rank, reading and parsing 4.2 MB of JSON (~35 ms of CPU),
+the summary (~30 ms); the write 0.09 s (per rank: shifting and encoding 16.6k events,
+~45 ms, C's encoder); start, clock samples, tables and merge ~0.05 s. The floor of this
+design on this machine: 4 ranks share 2 cores, so the ~110 ms of CPU each rank adds (parse,
+summary, encode: C's JSON codec is two thirds of it) cost ~0.22 s of wall time, plus three
+round trips to the ranks (start, stop, write: ~10-20 ms each). torch.profiler alone pays
+none of these: its trace stays one unaligned file per rank. So ours is torch's time +
+~0.3 s at 100 steps (~1.3x) and + ~0.1 s at 20 (~1.5x, the round trips dominate): the 1.2x
+goal is not reached on 2 cores with 4 ranks; with a core per rank the parse/encode part
+halves (it runs in parallel), which puts 100 steps near 1.2x.
+Measured 2026-11-26, before (main) and after, back to back in one run, best of 5 each:
+20 steps: torch alone 0.23 / 0.22 s, ours 0.41 -> 0.35 s: 1.79x -> 1.63x; 100 steps: torch
+alone 0.98 / 0.93 s, ours 1.97 -> 1.34 s: 2.01x -> 1.43x (issue 43 had 1.76x / 1.82x; other
+runs of this version: 1.51-1.53x and 1.33-1.42x).
 """
 
 from __future__ import annotations
@@ -54,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     loop = LOOP.format(steps=args.steps)
     folder = tempfile.mkdtemp(prefix="bench_profile_")
@@ -82,7 +108,7 @@ def main() -> None:
                         ("ours", "%%dist_profile")):  # fmt: skip
         print(f"  {label:22s} {best[name]:6.2f} s  ({best[name] / best['plain']:.2f}x plain)")
     ratio = best["ours"] / best["torch"]
-    print(f"target (ours <= 2x torch.profiler alone): {'met' if ratio <= 2 else 'MISSED'} "
+    print(f"target (ours <= 1.2x torch.profiler alone): {'met' if ratio <= 1.2 else 'MISSED'} "
           f"({ratio:.2f}x)")  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
@@ -281,22 +282,33 @@ class Session:
         self, calls: dict[int, tuple], what: str, timeout: float | None = None
     ) -> dict[int, Any]:
         """``apply`` with a function and arguments of its own per rank: ``{rank: (fn, args)}``."""
+        return self.submit_each(calls, what, timeout)()
+
+    def submit_each(
+        self, calls: dict[int, tuple], what: str, timeout: float | None = None
+    ) -> Callable[[], dict[int, Any]]:
+        """``apply_each`` sent now and waited for later: the returned function waits for
+        the answers and returns them (or raises) as ``apply_each`` does. Call it once."""
         targets = list(calls)
         with self.engines.client.lock:
             pending = {
                 r: self.engines.view(r).apply_async(fn, *args) for r, (fn, args) in calls.items()
             }
         self.book.set_busy(targets, True)
-        try:
-            timeout = timeout or self.plan.timeout + 60
-            return self.engines.client.gather(pending, what=what, timeout=timeout)
-        except KeyboardInterrupt:
-            supervision.send_signal(self, signal.SIGINT, targets)
-            raise DistInterrupted(
-                f"{what} interrupted; {rank_label(targets)[1:-1]} were sent SIGINT."
-            ) from None
-        finally:
-            self.book.set_busy(targets, False)
+
+        def wait() -> dict[int, Any]:
+            try:
+                limit = timeout or self.plan.timeout + 60
+                return self.engines.client.gather(pending, what=what, timeout=limit)
+            except KeyboardInterrupt:
+                supervision.send_signal(self, signal.SIGINT, targets)
+                raise DistInterrupted(
+                    f"{what} interrupted; {rank_label(targets)[1:-1]} were sent SIGINT."
+                ) from None
+            finally:
+                self.book.set_busy(targets, False)
+
+        return wait
 
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a namespace variable, tensors moved to CPU (through shared

@@ -123,3 +123,26 @@ def test_a_profile_folder_another_user_made_first_is_not_used(kernel2, shared):
     files = os.listdir(os.path.join(work, ours))
     assert sorted(files) == ["merged.json", "rank0.json", "rank1.json"]
     assert all(mode(os.path.join(work, ours, f)) == 0o600 for f in files)
+
+
+def test_a_rank_writes_its_trace_and_its_part_of_the_merged_one(tmp_path):
+    """engine/profiling.write on a rank: on the kernel's host into its folder (0600), else
+    the texts go back; the events are moved to the rank's track by the offset it is sent."""
+    import json
+
+    from infini_notebook.engine import profiling
+
+    events = [{"ph": "X", "name": "aten::mm", "ts": 10.0, "dur": 2.0, "pid": 77, "tid": 1},
+              {"ph": "M", "name": "thread_name", "pid": 77, "tid": 1, "args": {}}]  # fmt: skip
+    text = json.dumps({"traceEvents": events})
+    folder = tmp_path / "out"
+    folder.mkdir(mode=0o700)
+    profiling._state["done"] = (text, [dict(e) for e in events])
+    got = profiling.write(3, str(folder), 5.5, 0)
+    assert (folder / "rank3.json").read_text() == text and mode(str(folder / "rank3.json")) == 0o600
+    fragment = open(got["fragment_file"]).read()
+    assert json.loads(f"[{fragment}]") == [dict(events[0], pid=3, ts=15.5)]
+    profiling._state["done"] = (text, [dict(e) for e in events])
+    remote = profiling.write(3, None, 5.5, 0)
+    assert remote["trace"] == text and json.loads(f"[{remote['fragment']}]")[0]["ts"] == 15.5
+    assert "done" not in profiling._state

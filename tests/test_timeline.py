@@ -572,3 +572,27 @@ def test_merged_trace_keeps_thread_names_and_numbers_flows_per_rank():
         if e.get("cat") == "kernel" and e["name"].startswith("ncclDevKernel"):
             last[e["pid"]] = max(last.get(e["pid"], 0), e["ts"] + e["dur"])
     assert sorted(last) == [0, 1] and abs(last[0] - last[1]) < 1
+
+
+def test_the_streamed_merge_is_the_one_in_memory():
+    """What %%dist_profile writes (each rank shifts its own events and sends a fragment;
+    the kernel streams the fragments in) is the trace ``merged`` builds in memory."""
+    import io
+
+    out = [nccl_rank(r, world=2, late_rank=1).trace() for r in range(2)]
+    tl.align(out)
+    zero, bases = trace_merge.zero_us(out), trace_merge.flow_bases(out)
+    pieces = {
+        t.rank: trace_merge.fragment(
+            trace_merge.shift(
+                json.loads(json.dumps(t.events)), t.rank, t.shift_us - zero, bases[t.rank]
+            )  # fmt: skip
+        )
+        for t in out
+    }
+    f = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    chunks = {r: [p[: len(p) // 2], b"", p[len(p) // 2 :].encode()] for r, p in pieces.items()}
+    trace_merge.write(f, out, {0: "a"}, lambda r: chunks[r], zero)
+    f.flush()
+    written = json.loads(f.buffer.getvalue())
+    assert written == json.loads(json.dumps(trace_merge.merged(out, {0: "a"})))

@@ -5,10 +5,10 @@ followed at a name written, nothing someone else made used."""
 from __future__ import annotations
 
 import os
-import secrets
 import tempfile
 
 from ..core.errors import DistUsageError
+from ..engine.own_files import write, write_text  # noqa: F401 (the kernel's writers)
 from ..engine.remote_start import folder_problem
 
 
@@ -47,26 +47,3 @@ def make_folder(path: str, fresh: bool) -> str:
     if problem:
         raise DistUsageError(f"{path!r} {problem}: write into a folder of your own.")
     return path
-
-
-def write_text(folder: str, name: str, text: str) -> str:
-    """Write ``text`` as ``folder/name`` (0600); its path. A new file renamed into place, so
-    a file or link already there is replaced, never written through."""
-    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        problem = own_folder_problem(os.fstat(dir_fd), os.geteuid())
-        if problem:
-            raise DistUsageError(f"{folder!r} {problem}: write into a folder of your own.")
-        tmp = f".{name}.{secrets.token_hex(4)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
-    finally:
-        os.close(dir_fd)
-    return os.path.join(folder, name)

@@ -6,7 +6,6 @@ own trace (``rankN.json``, with the distributed info HTA reads)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import time
@@ -91,10 +90,11 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
         gone = set(supervision.dead_ranks(s, targets)) | s.book.stuck()
         alive = [r for r in targets if r not in gone]
         got = s.apply_each(
-            {r: (profiling.stop, (int(max_mb * 2**20),)) for r in alive}, "profile stop"
+            {r: (profiling.stop, (int(max_mb * 2**20), r)) for r in alive}, "profile stop"
         )
     too_big = {r: g["too_big"] for r, g in got.items() if "too_big" in g}
     if too_big:
+        _stop_all(s, [r for r, g in got.items() if "summary" in g])  # their parsed traces
         sizes = ", ".join(f"{rank_label([r])[1:-1]} {b / 2**20:.0f} MB" for r, b in too_big.items())
         raise DistUsageError(
             f"The traces are over the {max_mb:g} MB limit ({sizes}): profile fewer steps, or "
@@ -103,35 +103,60 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
     traces = [
         timeline.RankTrace(
             r,
-            json.loads(g["trace"]).get("traceEvents", []),
-            g["marks"],
-            g["collectives"],
+            [],
+            {},
+            [],
             clocks[r],
-            p2p=g.get("p2p", []),
-            fr_lost=g.get("fr_lost", 0),
-            group_ranks=g.get("group_ranks", {}),
+            fr_lost=g["fr_lost"],
+            group_ranks=g["group_ranks"],
+            given=g["summary"],
         )
         for r, g in sorted(got.items())
-        if "trace" in g
+        if "summary" in g
     ]
     timeline.align(traces)
     cell = re.sub(r"\W", "", name or "") or "cell"  # In4, not In[4]: no quoting in a shell
     folder = out or os.path.join("dist_profile", f"{cell}-{time.strftime('%Y%m%d-%H%M%S')}")
-    folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
-    files = {}
-    for r, g in sorted(got.items()):
-        if "trace" in g:
-            files[r] = private_files.write_text(folder, f"rank{r}.json", g["trace"])
-    rows = timeline.rank_rows(traces)
-    ranks = pd.DataFrame(rows)
-    collectives = pd.DataFrame(timeline.collective_rows(traces))
-    coverage = timeline.coverage(traces, rows)
-    verdict = timeline.verdict(traces)
-    hosts = {rs.rank: rs.host for rs in s.book.rows}
-    # dumps: C's encoder; dump streams through Python's (5x)
-    merged = private_files.write_text(
-        folder, "merged.json", json.dumps(trace_merge.merged(traces, hosts))
+    try:
+        folder = private_files.make_folder(folder, fresh=out is None)  # 0700, no link followed
+    except BaseException:  # the ranks keep their parsed traces for ``write``: drop them
+        _stop_all(s, [t.rank for t in traces])
+        raise
+    # each rank moves and writes its own events while the kernel makes the tables
+    zero, bases = trace_merge.zero_us(traces), trace_merge.flow_bases(traces)
+    here = os.path.abspath(folder)
+    written = s.submit_each(
+        {
+            t.rank: (
+                profiling.write,
+                (
+                    t.rank,
+                    here if s.engines.local(t.rank) else None,
+                    t.shift_us - zero,
+                    bases[t.rank],
+                ),
+            )
+            for t in traces
+        },
+        "profile write",
     )
+    try:
+        try:
+            rows = timeline.rank_rows(traces)
+            ranks = pd.DataFrame(rows)
+            collectives = pd.DataFrame(timeline.collective_rows(traces))
+            coverage = timeline.coverage(traces, rows)
+            verdict = timeline.verdict(traces)
+        finally:  # the ranks' writes end before anything else happens, whatever happened
+            answers = written()
+        hosts = {rs.rank: rs.host for rs in s.book.rows}
+        files, merged = _write_files(folder, traces, hosts, answers, zero)
+    finally:  # the fragments are in merged.json, or of no use
+        for t in traces:
+            try:
+                os.remove(os.path.join(folder, profiling.fragment_name(t.rank)))
+            except OSError:
+                pass
     result = ProfileResult(
         ranks=ranks,
         collectives=collectives,
@@ -176,6 +201,8 @@ def _start(s, targets: list[int]) -> None:
 
 
 def _stop_all(s, targets: list[int]) -> None:
+    if not targets:
+        return
     try:
         s.apply(profiling.stop_quietly, ranks=targets)
     except DistCellError:
@@ -192,3 +219,30 @@ def _clock(s, rank: int) -> timeline.RankClock:
         if answer is not None:
             samples.append((before, int(answer), after))
     return timeline.best_sample(samples) if samples else timeline.RankClock()
+
+
+def _write_files(folder: str, traces, hosts: dict, written: dict, zero: float):
+    """Each rank's own trace (written by the rank itself on this host) and the merged trace,
+    streamed from the ranks' fragments; ({rank: path}, merged's path)."""
+    files = {}
+    for t in traces:
+        got = written[t.rank]
+        if "trace" in got:  # a rank on another host sent its texts
+            files[t.rank] = private_files.write_text(folder, f"rank{t.rank}.json", got["trace"])
+        else:
+            files[t.rank] = os.path.join(folder, f"rank{t.rank}.json")
+
+    def fragments(rank: int):
+        got = written[rank]
+        if "fragment" in got:
+            yield got["fragment"]
+            return
+        fd = os.open(got["fragment_file"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            while chunk := f.read(1 << 20):
+                yield chunk
+
+    merged = private_files.write(
+        folder, "merged.json", lambda f: trace_merge.write(f, traces, hosts, fragments, zero)
+    )
+    return files, merged

@@ -217,6 +217,8 @@ class Engines:
     def stop_all(self) -> None:
         """Engines and controller (the store and the watchdog stay: see Session.stop)."""
         self.client.close()
+        # the nannies and spare engines die with the engines, not after ipyparallel's stop
+        self.template.kill_forked()
         self.stop_engines()  # first: a controller stopped while ours die takes ~1.5 s longer
         self.template.end()  # with the nannies it forked, before they talk to the controller
         self.client.stop_controller(self.folder.profile_dir)

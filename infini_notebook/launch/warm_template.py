@@ -67,6 +67,20 @@ class WarmTemplate:
         except psutil.Error:
             return None
 
+    def kill_forked(self) -> None:
+        """SIGKILL what the template forked (engines, their nannies, spare engines) in one
+        pass, waiting for none: they all end at once, and the template, alive, still reaps
+        them and tells each launcher its engine's exit code."""
+        try:
+            forked = self._proc.children() if self._proc is not None else []
+        except psutil.Error:
+            forked = []
+        for proc in forked:
+            try:
+                proc.kill()  # psutil refuses a pid reused since it listed the child
+            except psutil.Error:
+                pass
+
     def end(self) -> None:
         """The template and what it forked that is still there: nannies outlive their
         engines for a while (each tries for up to 3 s to tell the controller), which held a
