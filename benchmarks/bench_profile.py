@@ -19,7 +19,7 @@ Where the time went (py-spy of the kernel and of rank 0, then each step timed; 4
 events each, 4.2 MB), walked every event for the tables and encoded them again for
 merged.json, one after another: ~1 s of the kernel's CPU (the tables 0.38 s, the JSON
 0.3 s, the traces' trip 0.17 s) against torch's own 0.15 s. Now each rank, in parallel,
-parses its own trace and sends a summary of a few kB (timeline.summarize: its window,
+parses its own trace and sends a summary of a few kB (rank_trace.summarize: its window,
 ops, compute spans and self times), the kernel aligns the clocks and makes the tables from
 those (~60 ms), and each rank then shifts its events by the offset the kernel sent and
 writes its own rankN.json and its part of the merged trace, which the kernel streams into

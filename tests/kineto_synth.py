@@ -21,7 +21,8 @@ Where each field comes from (see infini_notebook/core/kineto.py for the sources)
 
 from __future__ import annotations
 
-from infini_notebook.core import timeline as tl
+from infini_notebook.core import kineto
+from infini_notebook.core import rank_trace as rt
 
 MAIN = 1  # the cell thread's tid
 STREAM_NCCL, STREAM_COMPUTE = 20, 7
@@ -68,10 +69,10 @@ class RankBuilder:
 
     def cell(self, start: float, end: float, profiler_lead_us: float = 0.0) -> None:
         """The profiler's marks ``profiler_lead_us`` around the cell's own marks."""
-        self.mark(tl.START_MARK, start - profiler_lead_us)
-        self.mark(tl.CELL_START, start)
-        self.mark(tl.CELL_END, end - 2)
-        self.mark(tl.STOP_MARK, end + profiler_lead_us)
+        self.mark(kineto.START_MARK, start - profiler_lead_us)
+        self.mark(kineto.CELL_START, start)
+        self.mark(kineto.CELL_END, end - 2)
+        self.mark(kineto.STOP_MARK, end + profiler_lead_us)
 
     def cpu_op(self, name: str, start: float, dur: float, tid=MAIN) -> None:
         self._x("cpu_op", name, start, dur, tid, **{"External id": self._external()})
@@ -211,19 +212,19 @@ class RankBuilder:
             **{"External id": ext, "device": 0, "stream": STREAM_COMPUTE},
         )
 
-    def trace(self) -> tl.RankTrace:
+    def trace(self) -> rt.RankTrace:
         kernel_before = 10_000_000.0  # the store sample: the rank read its clock mid-trip
         sample = (
             int(kernel_before * 1000),
             int((kernel_before + self.rtt / 2 + self.wall_off + self.clock_err) * 1000),
             int((kernel_before + self.rtt) * 1000),
         )
-        return tl.RankTrace(
+        return rt.RankTrace(
             self.rank,
             [dict(e) for e in self.events],
             dict(self.marks),
             list(self.entries),
-            tl.best_sample([sample]),
+            rt.best_sample([sample]),
             p2p=list(self.calls),
             fr_lost=self.lost,
         )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from infini_notebook.core.devices import gpu_count, parse_gpu_ids, requested_gpus, visible_entry
 from infini_notebook.core.errors import DistUsageError
 from infini_notebook.core.options import count_or_ids, flag_specs
-from infini_notebook.core.plan import make_plan
+from infini_notebook.core.plan_checks import make_plan
 
 EIGHT = [str(i) for i in range(8)]
 

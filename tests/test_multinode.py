@@ -19,7 +19,7 @@ import pytest
 from conftest import Frontend, fresh_kernel, text_of
 from other_user import needs_root
 
-from infini_notebook.core.plan import make_plan
+from infini_notebook.core.plan_checks import make_plan
 from infini_notebook.launch.launchers import engine_options
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

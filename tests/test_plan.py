@@ -14,7 +14,8 @@ from infini_notebook.core.output import (
     group_identical,
     settle,
 )
-from infini_notebook.core.plan import is_loopback, make_plan, parse_init_method
+from infini_notebook.core.plan import is_loopback
+from infini_notebook.core.plan_checks import make_plan, parse_init_method
 from infini_notebook.core.ranks import format_ranks, parse_ranks, rank_label
 
 

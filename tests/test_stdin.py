@@ -186,7 +186,7 @@ def test_the_question_log_is_read_whole_lines_only_and_skips_what_no_rank_wrote(
     from datetime import timedelta
 
     from infini_notebook.core import signing
-    from infini_notebook.core.plan import make_plan
+    from infini_notebook.core.plan_checks import make_plan
     from infini_notebook.engine.rank_services import session_store
     from infini_notebook.engine.stdin_relay import prompt_key
     from infini_notebook.launch.rendezvous import Rendezvous

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kineto_synth import MAIN, RankBuilder
 
-from infini_notebook.core import clockfit, intervals, trace_merge
+from infini_notebook.core import clockfit, intervals, rank_trace, trace_merge
 from infini_notebook.core import timeline as tl
 
 STEP_US = 1_000_000  # true time between steps
@@ -256,7 +256,7 @@ def test_past_the_ring_fast_collectives_are_not_shifted_onto_the_kept_entries():
     b.entries, b.lost = b.entries[-200:], 50
     t = b.trace()
     tl.align([t])
-    found, _ = tl.ops(t)
+    found, _ = rank_trace.ops(t)
     assert sorted(op.keys[0][2] for op in found) == list(range(1, 251))
     by_start = sorted(found, key=lambda op: op.start)
     assert [op.keys[0][2] for op in by_start] == list(range(1, 251))

@@ -138,7 +138,7 @@ def last_session(history: Sequence[HistoryCell]) -> tuple[list[HistoryCell], str
 def settings_from_start(args: Any) -> Settings:
     """Settings from a parsed ``%dist_start`` line (when no session runs any more)."""
     from .devices import gpu_count
-    from .plan import parse_hosts
+    from .plan_checks import parse_hosts
 
     if args.gpus or args.nprocs:
         world = gpu_count(args.gpus) or args.nprocs

@@ -1,5 +1,6 @@
 """The start options, written once: ``%dist_start``'s flags are made from these fields,
-``infini_notebook.start(**kw)`` fills them by keyword, and ``plan.make_plan`` checks them.
+``infini_notebook.start(**kw)`` fills them by keyword, and ``plan_checks.make_plan`` checks
+them.
 Pure: no imports beyond the standard library."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def _opt(default=None, help: str = "", **argparse):
 
 def count_or_ids(text: str) -> int | str:
     """``--gpus``: a count stays an int, as before; anything else (ids like ``4,5,6,7`` or
-    ``2-5``) stays text, for ``plan.make_plan`` to check against the visible GPUs."""
+    ``2-5``) stays text, for ``plan_checks.make_plan`` to check against the visible GPUs."""
     try:
         return int(text)
     except ValueError:

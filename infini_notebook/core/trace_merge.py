@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from . import kineto as k
-from .timeline import summary
+from .rank_trace import summary
 
 
 def zero_us(traces) -> float:

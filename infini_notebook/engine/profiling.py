@@ -1,10 +1,10 @@
 """``%%dist_profile`` on a rank: torch.profiler around the cell, started and stopped by two
 calls of the kernel's around the ordinary ``%%dist`` run (the same thread runs all three),
-and what the kernel needs to merge the ranks' traces (core/timeline.py): the trace; the
-rank's wall clock read inside mark events (the profiler's start and stop, and the cell's
-own start and end, which bound the figures); the Flight Recorder's entries of the cell and
-how many its ring dropped; the sends and receives the cell posted (p2p_log.py); each
-group's ranks. Runs inside each engine."""
+and what the kernel needs to merge the ranks' traces (core/timeline.py): the trace and its
+summary (core/rank_trace.py); the rank's wall clock read inside mark events (the
+profiler's start and stop, and the cell's own start and end, which bound the figures); the
+Flight Recorder's entries of the cell and how many its ring dropped; the sends and receives
+the cell posted (p2p_log.py); each group's ranks. Runs inside each engine."""
 
 from __future__ import annotations
 
@@ -77,10 +77,10 @@ def start(cuda: bool) -> dict:
 
 
 def stop(max_bytes: int, rank: int = 0) -> dict:
-    """Stop, export the trace and summarize it here (timeline.summarize: the rank's own
+    """Stop, export the trace and summarize it here (rank_trace.summarize: the rank's own
     events, in parallel with the other ranks); the summary goes to the kernel and the
     trace waits for ``write``. Only the size when over ``max_bytes``."""
-    from ..core import timeline
+    from ..core import rank_trace
 
     _state.pop("done", None)
     if "prof" not in _state:
@@ -104,10 +104,10 @@ def stop(max_bytes: int, rank: int = 0) -> dict:
     groups = _group_ranks()
     with _no_gc():
         events = json.loads(text).get("traceEvents", [])
-        trace = timeline.RankTrace(
+        trace = rank_trace.RankTrace(
             rank, events, _state["marks"], entries, p2p=calls, fr_lost=lost, group_ranks=groups
         )
-        summary = timeline.summarize(trace)
+        summary = rank_trace.summarize(trace)
     _state["done"] = (text, events)
     return {"summary": summary, "fr_lost": lost, "group_ranks": groups, "size": size}
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import timeline, trace_merge
+from ..core import rank_trace, timeline, trace_merge
 from ..core.errors import DistCellError, DistUsageError
 from ..core.ranks import rank_label
 from ..engine import profiling
@@ -101,7 +101,7 @@ def profile(s, code: str, targets: list[int], printer, out: str | None, max_mb: 
             "raise it with --max-mb."
         )
     traces = [
-        timeline.RankTrace(
+        rank_trace.RankTrace(
             r,
             [],
             {},
@@ -209,7 +209,7 @@ def _stop_all(s, targets: list[int]) -> None:
         pass
 
 
-def _clock(s, rank: int) -> timeline.RankClock:
+def _clock(s, rank: int) -> rank_trace.RankClock:
     """The rank's wall clock against ours, from round trips through the store."""
     samples = []
     for _ in range(CLOCK_SAMPLES):
@@ -218,7 +218,7 @@ def _clock(s, rank: int) -> timeline.RankClock:
         after = time.time_ns()
         if answer is not None:
             samples.append((before, int(answer), after))
-    return timeline.best_sample(samples) if samples else timeline.RankClock()
+    return rank_trace.best_sample(samples) if samples else rank_trace.RankClock()
 
 
 def _write_files(folder: str, traces, hosts: dict, written: dict, zero: float):

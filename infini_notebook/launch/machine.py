@@ -1,5 +1,6 @@
 """What this machine has, asked once per start: its GPUs as the kernel sees them, the NCCL
-torch loads, its IP addresses. The plan (core/plan.py) is pure and takes these as facts."""
+torch loads, its IP addresses. The plan's checks (core/plan_checks.py) are pure and take
+these as facts."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def plan_from_options(options=None, **keywords):
     what this machine has."""
     from ..core.errors import DistUsageError
     from ..core.options import StartOptions
-    from ..core.plan import make_plan
+    from ..core.plan_checks import make_plan
 
     try:
         options = options or StartOptions(**keywords)
