@@ -259,8 +259,10 @@ def install_telemetry(cfg: dict) -> None:
         store = None
         while True:  # the first snapshot at once: status() right after start has numbers
             try:
-                if store is None:
-                    store = session_store(cfg, timedelta(seconds=10))
+                if store is None:  # as long as the other clients wait: at 64 ranks on
+                    # 2 cores a 10 s connect timed out at start, and c10d printed its
+                    # connect errors into the rank's next cell
+                    store = session_store(cfg, timedelta(seconds=60))
                 snapshot = json.dumps(_snapshot(proc, gpu))
                 store.set(key, signing.sign(cfg["mac_key"], key, snapshot))
             except Exception:  # the kernel is gone or busy: the watchers end us if it is gone
