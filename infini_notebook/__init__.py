@@ -37,11 +37,13 @@ def load_ipython_extension(ipython) -> None:
     from .core.export import record_outcome
     from .debug_magics import DebugMagics
     from .keep_magics import KeepMagics, record_cell
+    from .layout_magics import LayoutMagics
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(DebugMagics)
     ipython.register_magics(KeepMagics)
+    ipython.register_magics(LayoutMagics)
     if current() is None:
         from .launch.prewarm import warm
 
