@@ -3,8 +3,8 @@ session, attached by a new kernel; see attach.py). Nothing they printed is lost:
 controller keeps every stream message under its request's id (ipyparallel 9,
 ``Hub.save_iopub_message`` appends each ``stream`` text to the record's stdout/stderr),
 whether or not a kernel listens. Each rank's output file gets one section for such a
-cell, with all of its output from its start, rewritten whole as more comes, until the cell
-has ended on every rank."""
+cell, with all of its output from its start, added to as more comes, until the cell has
+ended on every rank."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ STREAMS = ("stdout", "stderr")
 
 class LeftOutput:
     """The cells left running, by rank (``{"msg_id", "number", ...}`` as the ranks said at
-    attach), and where each rank's section begins in its files. The only writer of those
+    attach), and how much of each record its section holds. The only writer of those
     sections."""
 
     def __init__(self, dir: str | None, running: dict[int, dict]):
         self.dir = dir
         self.cells = {r: c for r, c in running.items() if c.get("msg_id")}
-        self._starts: dict[tuple[int, str], int] = {}
+        self._written: dict[tuple[int, str], int] = {}  # characters of each record written
 
     def msg_ids(self) -> list[str]:
         return [c["msg_id"] for c in self.cells.values()]
@@ -38,14 +38,16 @@ class LeftOutput:
                     self._write(rank, stream, header(cell), record[stream])
 
     def _write(self, rank: int, stream: str, head: str, text: str) -> None:
-        path = os.path.join(self.dir, f"rank{rank}.{stream}")
+        """Append what is new since the last write (a record only grows): rewriting the
+        section would cost its whole size at every check, and could cut off a cell that
+        ran on the rank after it."""
         key = (rank, stream)
-        with open(path, "ab") as f:  # created if missing; its end is where a section begins
-            start = self._starts.setdefault(key, f.tell())
-        with open(path, "r+b") as f:
-            f.truncate(start)  # the section again, longer: the record holds it all
-            f.seek(start)
-            f.write((head + text).encode("utf-8", errors="replace"))
+        done = self._written.get(key)
+        if done is not None and len(text) <= done:
+            return
+        with open(os.path.join(self.dir, f"rank{rank}.{stream}"), "ab") as f:
+            f.write(((head if done is None else "") + text[done or 0 :]).encode("utf-8", "replace"))
+        self._written[key] = len(text)
 
 
 def header(cell: dict) -> str:
