@@ -75,7 +75,33 @@ def torchrun_namespace(
         timeout=timedelta(seconds=timeout),
         device_id=device if device.type == "cuda" else None,
     )
+    if "gloo" in backend:
+        import atexit
+
+        atexit.register(let_gloo_workers_finish)
     return rank_namespace(layout, device, local_rank)
+
+
+GLOO_SETTLE_S = 0.05
+
+
+def let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter finalizes: give gloo's worker threads the GIL.
+
+    A gloo worker thread frees a finished collective's Work after the rank has moved on; if
+    the Work holds the last reference to a tensor Python let go of, freeing it takes the GIL
+    (``TensorImpl::decref_pyobject``). Once ``Py_FinalizeEx`` has begun, a thread that takes
+    the GIL is made to exit, which unwinds through that (noexcept) destructor: libstdc++'s
+    "terminate called without an active exception", SIGABRT, and torchrun reports the run
+    failed after it printed everything (a core dump of tutorial 07's exported script, torch
+    2.13: ``runLoop`` -> ``~AsyncAllgatherCoalescedWork`` -> ``gil_scoped_acquire`` ->
+    ``PyThread_exit_thread``; the same race pytorch/pytorch#179291 describes, and
+    ``destroy_process_group`` does not join the workers). Exit handlers run while other
+    threads may still take the GIL, so sleeping here hands it to a worker already waiting
+    for it (CPython's forced switch), and to one that finishes within the pause."""
+    import time
+
+    time.sleep(GLOO_SETTLE_S)
 
 
 class LabeledStream:
