@@ -20,6 +20,7 @@ import torch
 from conftest import REPO, text_of
 from IPython.core.magic_arguments import parse_argstring
 from other_user import needs_root
+from test_notebooks import _runner, assert_shows_committed
 
 from infini_notebook.core import export
 from infini_notebook.core.errors import DistUsageError
@@ -288,22 +289,28 @@ EXTRA_CELLS = [
 ]
 
 
-@pytest.mark.timeout(600)
-def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path):
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(os.path.join(REPO, "notebooks", "06_tensor_parallel_mlp.ipynb"), 4)
+def run_tutorial(name: str, extra: list[str]) -> list[nbformat.NotebookNode]:
+    """Run tutorial ``name`` with ``extra`` cells before its last (``%dist_stop``), check
+    that it shows what its committed copy shows (as test_notebooks does for the others: the
+    tutorial runs once in the suite), and return its code cells, run."""
+    path = os.path.join(REPO, "notebooks", name)
+    nb = nbformat.read(path, 4)
     *cells, stop = [c for c in nb.cells if c.cell_type == "code"]
     assert stop.source == "%dist_stop"
+    nb.cells = cells + [nbformat.v4.new_code_cell(src) for src in extra] + [stop]
+    runner = _runner()
+    client = runner.Client(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                           resources={"metadata": {"path": REPO}})  # fmt: skip
+    client.execute()
+    assert_shows_committed(runner.static_outputs(nbformat.from_dict(nb)), path)
+    return nb.cells
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(600)
+def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path):
     path = str(tmp_path / "nb06.py")
-    cells += [nbformat.v4.new_code_cell(src) for src in EXTRA_CELLS]
-    cells += [nbformat.v4.new_code_cell(f"%dist_export {path}"), stop]
-    nb.cells = cells
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": REPO}})  # fmt: skip
-    with client.setup_kernel():
-        for i, cell in enumerate(cells):
-            client.execute_cell(cell, i)
+    cells = run_tutorial("06_tensor_parallel_mlp.ipynb", EXTRA_CELLS + [f"%dist_export {path}"])
     errors = [c.source for c in cells if any(o.output_type == "error" for o in c.outputs)]
     assert errors == [EXTRA_CELLS[2]], errors
     said = text_of(cells[-2])
@@ -321,24 +328,15 @@ def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path)
     assert lines_by_rank(proc.stdout, 4) == notebook
 
 
+@pytest.mark.notebooks
 @pytest.mark.timeout(600)
 def test_tutorial_07_with_a_hard_restart_exports_to_the_same_training_under_torchrun(tmp_path):
     """Tutorial 07 trains (DDP, FSDP2), saves a DCP checkpoint, hard-restarts and resumes.
     Its script has no restart (it is one run): the checkpoint is saved and loaded back in
     the same processes, and every rank prints the same losses and checks as in the notebook."""
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(os.path.join(REPO, "notebooks", "07_data_parallel_checkpoints.ipynb"), 4)
-    *cells, stop = [c for c in nb.cells if c.cell_type == "code"]
-    assert stop.source == "%dist_stop"
     path = str(tmp_path / "nb07.py")
-    cells += [nbformat.v4.new_code_cell(f"%dist_export {path}"), stop]
-    nb.cells = cells
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": REPO}})  # fmt: skip
-    with client.setup_kernel():
-        for i, cell in enumerate(cells):
-            client.execute_cell(cell, i)
+    cells = run_tutorial("07_data_parallel_checkpoints.ipynb", [f"%dist_export {path}"])
+    assert not [c.source for c in cells if any(o.output_type == "error" for o in c.outputs)]
     said = text_of(cells[-2])
     assert "%dist_restart --hard" in said and "torchrun --nproc_per_node 4" in said, said
     dist_cells = [c for c in cells if c.source.startswith("%%dist")]
