@@ -30,6 +30,7 @@ HUB_PURGE_DELAY_S = 1.0  # a cell's records stay on the controller this long at 
 CONTROLLER_TIMEOUT_S = 10.0  # the longest any single request to the controller may take
 # private: ipyparallel's own requests (queue_status, purge_hub_results) can wait for ever
 _QUERY_PARTS = ("_send", "_query_stream")
+_REGISTRATION = ("_registration_callbacks",)  # private: called at each (un)registration
 IO_THREAD_WAIT_S = 60.0  # ipyparallel's IO thread runs a queued call within ms; a dead one never
 CONTROLLER_GONE = (
     "The session's ipyparallel controller is gone (it died or was killed), so nothing "
@@ -56,6 +57,8 @@ class Client:
         self._loop: Any = None
         self._unpurged: list[str] = []  # msg ids of finished work
         self._purge_queued = False  # a purge of the controller's records is due soon
+        # set by ipyparallel's IO thread when an engine registers or unregisters
+        self._registrations = threading.Event()
 
     # ----- read-only views ------------------------------------------------------------------
     @property
@@ -152,10 +155,12 @@ class Client:
             shutdown_atexit=not plan.keep_s,  # a kept session outlives the kernel
         )
         self.in_loop(self._cluster.start_controller(**launchers.controller_options()))
+        wait_for_files(self._cluster.controller)
         self._client = self.in_loop(self._cluster.connect_client())
         # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
         # after some thousand cells. Messages travel on loopback or CurveZMQ.
         self._client.session.digest_history_size = DIGEST_HISTORY
+        self._follow_registrations()
 
     def attach(self, profile_dir: str, cluster_id: str) -> None:
         """A kept session's running controller (see keep.py): its Cluster as ipyparallel
@@ -172,6 +177,19 @@ class Client:
 
         self._cluster, self._client = self.in_loop(reconnect(), timeout=60)
         self._client.session.digest_history_size = DIGEST_HISTORY
+        self._follow_registrations()
+
+    def _follow_registrations(self) -> None:
+        """Engines registering wake ``wait_for_registration`` (ipyparallel's own
+        ``wait_for_engines`` hooks the same private list)."""
+        if internals.usable(self._client, _REGISTRATION, "ipyparallel", "engines registering"):
+            self._client._registration_callbacks.append(lambda _event: self._registrations.set())
+
+    def wait_for_registration(self, timeout: float) -> None:
+        """Until an engine registers or unregisters, or ``timeout`` seconds. The caller
+        checks ``ids()`` after it: an event between that check and this wait is kept."""
+        self._registrations.wait(timeout)
+        self._registrations.clear()
 
     def ensure_controller(self, plan: SessionPlan, profile_dir: str) -> None:
         """Keep a running controller (a hard restart's new engines register with it);
@@ -354,3 +372,17 @@ def _log_purge_reply(future) -> None:
         status = one_line(e)
     if status != "ok":
         log.debug("controller purge: %s", status)
+
+
+def wait_for_files(controller, timeout: float = 60.0, every: float = 0.005) -> None:
+    """Until the controller (just launched) has written its connection files, polling every
+    5 ms: ipyparallel's ``get_connection_info`` polls every 0.1 s, and a start waited 50 ms
+    on average for it. Returns early when the controller exits or ``timeout`` passes:
+    ipyparallel's own wait then says what went wrong."""
+    paths = list(getattr(controller, "connection_files", {}).values())
+    process = getattr(controller, "process", None)
+    deadline = time.monotonic() + timeout
+    while paths and not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline or (process is not None and not process.is_running()):
+            return
+        time.sleep(every)
