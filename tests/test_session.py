@@ -162,11 +162,13 @@ def test_hard_restart_and_stop_end_every_process_they_started(kernel):
     )
     # a hard restart keeps the watchdog, the controller (new engines register with it) and
     # the warm template (new engines fork from it); every engine and nanny is new
-    kept = ("infini_notebook.launch.watchdog", "infini_notebook.launch.controller")
+    # the controller (with its schedulers and heart monitor) is forked from the template
+    # when it is ready: named ipcontroller, with the template's command line
+    kept = ("infini_notebook.launch.watchdog", "infini_notebook.launch.controller", "ipcontroller:")
     template = int(text_of(kernel.run("print(dist_session.engines.template.process.pid)")))
     before = [psutil.Process(p) for p in eval(text_of(started).strip().splitlines()[-1])]
     first = [p for p in before if not any(k in _cmd(p) for k in kept) and p.pid != template]
-    controller = {p.pid for p in before if "infini_notebook.launch.controller" in _cmd(p)}
+    controller = {p.pid for p in before if any(k in _cmd(p) for k in kept[1:])}
     assert len(first) >= 8 and controller  # 4 engines and their nannies
     kernel.run("%dist_restart --hard", timeout=180)
     assert psutil.wait_procs(first, timeout=15)[1] == []
@@ -183,7 +185,7 @@ def test_hard_restart_and_stop_end_every_process_they_started(kernel):
 
 def _cmd(p: psutil.Process) -> str:
     try:
-        return " ".join(p.cmdline())
+        return f"{p.name()}: {' '.join(p.cmdline())}"
     except psutil.Error:
         return ""
 

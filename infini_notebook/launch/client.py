@@ -144,7 +144,9 @@ class Client:
             self._loop = None
 
     # ----- the controller ---------------------------------------------------------------------
-    def start_controller(self, plan: SessionPlan, profile_dir: str) -> None:
+    def start_controller(self, plan: SessionPlan, profile_dir: str, template: str = "") -> None:
+        """A new controller and a client of it; ``template``: a ready template's socket,
+        which forks it (see template_launcher)."""
         import ipyparallel as ipp
 
         from . import launchers
@@ -154,7 +156,8 @@ class Client:
             log=logging.getLogger("infini_notebook.ipyparallel"),
             shutdown_atexit=not plan.keep_s,  # a kept session outlives the kernel
         )
-        self.in_loop(self._cluster.start_controller(**launchers.controller_options()))
+        options = launchers.controller_options(plan, template)
+        self.in_loop(self._cluster.start_controller(**options))
         wait_for_files(self._cluster.controller)
         self._client = self.in_loop(self._cluster.connect_client())
         # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
@@ -191,13 +194,13 @@ class Client:
         self._registrations.wait(timeout)
         self._registrations.clear()
 
-    def ensure_controller(self, plan: SessionPlan, profile_dir: str) -> None:
+    def ensure_controller(self, plan: SessionPlan, profile_dir: str, template: str = "") -> None:
         """Keep a running controller (a hard restart's new engines register with it);
         replace one that died, its client and connection files first."""
         if self.controller_running():
             return
         self.stop_controller(profile_dir)
-        self.start_controller(plan, profile_dir)
+        self.start_controller(plan, profile_dir, template)
 
     def controller_running(self) -> bool:
         """By the process itself: the launcher's state lags a kill (its waiting thread
@@ -210,6 +213,10 @@ class Client:
             return controller.process.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
+
+    def controller_process(self) -> psutil.Process | None:
+        """The controller's process (this kernel's, or an attached session's), or None."""
+        return getattr(getattr(self._cluster, "controller", None), "process", None)
 
     def require_controller(self, what: str = "") -> None:
         if self._cluster is not None and not self.controller_running():

@@ -7,6 +7,7 @@ processes, the template and the spares; the client and controller are client.py'
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -78,7 +79,8 @@ class Engines:
         from . import launchers  # imports ipyparallel's launchers
 
         self._ensure_template()  # first: its imports overlap the controller's start
-        self.client.ensure_controller(self.plan, self.folder.profile_dir)
+        self.client.ensure_controller(self.plan, self.folder.profile_dir, self._ready_template())
+        self._hand_over_controller()
         eids = self._take_standby(progress) or self._launch(progress)
         ar = self.client.view(eids).apply_async(bootstrap.identity)
         identities = ar.get_dict(timeout=60)
@@ -109,6 +111,7 @@ class Engines:
         self._eids, self._set_id, self.how = list(mapped["eids"]), mapped["set_id"], mapped["how"]
         for r, pid in pids.items():
             self.adopt(r, pid)
+        self._hand_over_controller()
         cluster = self.client.cluster
         spare = [s for s in (cluster.engines if cluster else {}) if s != self._set_id]
         kill(
@@ -134,6 +137,23 @@ class Engines:
         self._set_id = self.client.in_loop(cluster.start_engines(self.plan.world_size, **options))
         self.how = self.launch_note(cluster.engines[self._set_id])
         return self.wait_for_engines(progress, known)
+
+    def _hand_over_controller(self) -> None:
+        """A controller the template forked is stopped by ipyparallel, not with what the
+        template forked (see WarmTemplate.hand_over)."""
+        controller = self.client.controller_process()
+        if controller is not None:
+            self.template.hand_over(controller.pid)
+
+    def _ready_template(self) -> str:
+        """The template's socket if it serves already (one warmed at %load_ext, or a hard
+        restart's), else "": waiting for one still importing torch would hold the
+        controller back."""
+        from . import launchers
+
+        path = launchers.template_socket(self.folder.profile_dir)
+        usable = not self.plan.template_off and self.template.alive()
+        return path if usable and os.path.exists(path) else ""
 
     def _ensure_template(self) -> None:
         """Unless the plan starts engines the usual way (see WarmTemplate.ensure)."""

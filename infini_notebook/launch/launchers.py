@@ -43,6 +43,7 @@ IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 
 
 TEMPLATE_LAUNCHER = "infini_notebook.launch.template_launcher.TemplateEngineSetLauncher"
+TEMPLATE_CONTROLLER = "infini_notebook.launch.template_launcher.TemplateControllerLauncher"
 
 
 def profile_dir(workdir: str) -> str:
@@ -63,6 +64,8 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
         "profile_dir": profile_dir,
         "controller_ip": plan.bind_address,
         "engine_launcher_class": launcher if plan.template_off else TEMPLATE_LAUNCHER,
+        # forked by the template when it is ready, else started as usual (template_launcher)
+        "controller_launcher_class": "local" if plan.template_off else TEMPLATE_CONTROLLER,
         "delay": 0,  # engines wait for the controller's connection info anyway
         "controller_args": list(HEARTBEAT),
     }
@@ -73,9 +76,13 @@ def cluster_options(plan: SessionPlan, profile_dir: str) -> dict:
     return opts
 
 
-def controller_options() -> dict:
-    """Keyword arguments for ``Cluster.start_controller`` (traits of its launcher)."""
-    return {"controller_cmd": [sys.executable, *CONTROLLER_CMD]}
+def controller_options(plan: SessionPlan, template_socket: str = "") -> dict:
+    """Keyword arguments for ``Cluster.start_controller`` (traits of its launcher):
+    ``template_socket``, a ready template's, forks it from there."""
+    options = {"controller_cmd": [sys.executable, *CONTROLLER_CMD]}
+    if not plan.template_off:
+        options["template_socket"] = template_socket
+    return options
 
 
 def engine_env(plan: SessionPlan) -> dict[str, str]:

@@ -8,6 +8,9 @@ socket in the session folder and answers one JSON line per request:
 
 - ``{"op": "fork", "argv": [...], "env": {...}, "cwd": ..., "output": PATH}``:
   ``{"pid": N}``, a new session leader that runs ``ipyparallel.engine`` with ``argv``;
+- ``{"op": "controller", "argv": [...], "env": {...}, "cwd": ..., "output": PATH}``:
+  ``{"pid": N}``, a new session leader that runs ipyparallel's controller (launch/
+  controller.py) with ``argv``: a fresh interpreter spent ~0.3 s of every start importing it;
 - ``{"op": "wait", "pid": N}``: ``{"exit_code": C}`` once that child ended (negative: the
   signal that ended it), as ``Popen.returncode`` would say;
 - ``{"op": "nanny", "kwargs": B64_PICKLE, "fifo": PATH, "env": {...}}``: ``{"pid": N}``,
@@ -36,6 +39,7 @@ READY = "template ready"  # printed once the imports are done and the socket lis
 # What each request must carry; checked before anything is forked.
 FIELDS = {
     "fork": ("argv", "env", "cwd", "output"),
+    "controller": ("argv", "env", "cwd", "output"),
     "nanny": ("kwargs", "fifo", "env"),
     "wait": ("pid",),
 }
@@ -157,16 +161,16 @@ class Template:
 
     def handle(self, conn: socket.socket, req: dict) -> None:
         op = req.get("op")
-        if op in ("fork", "nanny"):
+        if op in ("fork", "nanny", "controller"):
             refusal = fork_refusal()
-            child = (
-                partial(become_engine, req, self.path)
-                if op == "fork"
-                else partial(become_nanny, req)
-            )
+            child = {
+                "fork": partial(become_engine, req, self.path),
+                "nanny": partial(become_nanny, req),
+                "controller": partial(become_controller, req),
+            }[op]
             # A nanny runs none of the user's code, so it skips the exit hooks it inherited
             # (torch's library finalizers: ~25 ms of CPU per nanny at each stop or restart).
-            reply = {"error": refusal} if refusal else {"pid": self.fork(child, op == "fork")}
+            reply = {"error": refusal} if refusal else {"pid": self.fork(child, op != "nanny")}
         elif op == "wait":
             pid = req["pid"]
             if pid not in self.exits:
@@ -247,6 +251,22 @@ def become_engine(req: dict, template_socket: str) -> None:
     from ipyparallel.engine import app
 
     app.start_nanny = partial(forked_nanny, template_socket)
+    app.main()
+
+
+def become_controller(req: dict) -> None:
+    """In the forked child: what ``python -m infini_notebook.launch.controller ARGV`` started
+    by Popen (as ipyparallel's controller launcher does) would have been. Returns when the
+    controller ends."""
+    new_session(req["env"], stdin=os.devnull, stdout=req["output"])
+    name_process(b"ipcontroller")
+    os.chdir(req["cwd"])
+    sys.argv = ["ipcontroller", *req["argv"]]
+    from . import controller  # its schedulers and heart monitor are forked: they inherit it
+
+    controller.patch()
+    from ipyparallel.controller import app
+
     app.main()
 
 
@@ -374,6 +394,7 @@ def warm_imports() -> None:
     DeviceMesh), ipyparallel's engine, ours."""
     import sqlite3  # noqa: F401
 
+    import ipyparallel.controller.app  # noqa: F401  (a controller forked from here)
     import ipyparallel.engine.app  # noqa: F401
 
     # What each engine's kernel imports as it starts (about half a second of every start)

@@ -1,11 +1,11 @@
-"""The ipyparallel engine launcher whose engines the warm template forks (see template.py;
+"""The ipyparallel launchers whose processes the warm template forks (see template.py;
 template_client.py starts the template and talks to it).
 
-ipyparallel stays in charge of everything but the fork: the controller, registration,
-signing, stopping. ``TemplateEngineSetLauncher`` is ipyparallel's local engine-set launcher
-whose engines are forked by the template instead of started by ``Popen``; an engine the
-template cannot fork (it refused, or it is gone) is started by ``Popen`` as usual, and the
-set records which way each came up (``how``).
+ipyparallel stays in charge of everything but the fork: registration, signing, stopping.
+``TemplateEngineSetLauncher`` is ipyparallel's local engine-set launcher whose engines are
+forked by the template instead of started by ``Popen``; an engine the template cannot fork
+(it refused, or it is gone) is started by ``Popen`` as usual, and the set records which way
+each came up (``how``). ``TemplateControllerLauncher`` does the same for the controller.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import os
 import socket
 
 import psutil
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from ipyparallel.cluster.launcher import (
+    LocalControllerLauncher,
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+)
 from traitlets import Unicode
 
 from .template_client import TemplateUnavailable, read_line, request
@@ -23,15 +27,20 @@ from .template_client import TemplateUnavailable, read_line, request
 FORKED = "forked from the warm template"
 
 
-class TemplateEngineLauncher(LocalEngineLauncher):
-    """One engine, forked by the template; started by Popen if the template cannot."""
+class Forked:
+    """A local process launcher's process, forked by the template at ``template_path()``
+    (started by Popen when the template cannot: ``how`` says which). Its exit code comes
+    from the template, its parent (psutil cannot tell it for a process not our child)."""
 
-    how = ""  # FORKED, or why the engine was started the usual way
+    how = ""  # FORKED, or why the process was started the usual way
+    op = ""  # the template's request that forks it
+
+    def template_path(self) -> str:
+        raise NotImplementedError
 
     def start(self):
-        parent = self.parent
         try:
-            pid = self.fork(parent.template_socket)
+            pid = self.fork(self.template_path())
         except TemplateUnavailable as e:
             self.how = str(e)
             return super().start()
@@ -44,22 +53,19 @@ class TemplateEngineLauncher(LocalEngineLauncher):
     def fork(self, socket_path: str) -> int:
         if not socket_path:
             raise TemplateUnavailable("no template")
-        cmd = list(self.engine_cmd)
-        if cmd[1:] != ["-m", "ipyparallel.engine"]:
-            raise TemplateUnavailable(f"a custom engine command ({' '.join(cmd)})")
-        env = dict(os.environ, **self.get_env())
+        cmd, expected = list(self.find_args()), self.expected_cmd()
+        if cmd[1 : len(expected) + 1] != expected:
+            raise TemplateUnavailable(f"a custom command ({' '.join(cmd)})")
         req = {
-            "op": "fork",
-            "argv": self.cluster_args + self.engine_args,
-            "env": env,
+            "op": self.op,
+            "argv": cmd[len(expected) + 1 :],
+            "env": dict(os.environ, **self.get_env()),
             "cwd": os.path.abspath(self.work_dir),
             "output": self.output_file,
         }
         return int(request(socket_path, req)["pid"])
 
     def _wait(self):
-        """The exit code comes from the template, the engine's parent (psutil cannot tell
-        it for a process that is not our child)."""
         if self.how != FORKED:
             return super()._wait()
         exit_code = None
@@ -71,8 +77,8 @@ class TemplateEngineLauncher(LocalEngineLauncher):
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
 
     def wait_orphan(self) -> None:
-        """The template died before the engine: until the engine (now init's child) ends
-        too; its exit code went with the template. Reporting it stopped while it runs lost
+        """The template died before the process: until it (now init's child) ends too; its
+        exit code went with the template. Reporting it stopped while it runs lost
         ipyparallel's hold of it (a spare engine outlived its session)."""
         while not self._stop_waiting.is_set():
             try:
@@ -85,7 +91,7 @@ class TemplateEngineLauncher(LocalEngineLauncher):
 
     def wait_exit(self) -> int | None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(self.parent.template_socket)
+            conn.connect(self.template_path())
             conn.sendall(json.dumps({"op": "wait", "pid": self.pid}).encode() + b"\n")
             conn.settimeout(1.0)
             while not self._stop_waiting.is_set() and self.state == "running":
@@ -94,6 +100,33 @@ class TemplateEngineLauncher(LocalEngineLauncher):
                 except TimeoutError:
                     continue
         return None
+
+
+class TemplateEngineLauncher(Forked, LocalEngineLauncher):
+    """One engine, forked by the template; started by Popen if the template cannot."""
+
+    op = "fork"
+
+    def template_path(self) -> str:
+        return self.parent.template_socket
+
+    def expected_cmd(self) -> list[str]:
+        return ["-m", "ipyparallel.engine"]
+
+
+class TemplateControllerLauncher(Forked, LocalControllerLauncher):
+    """The controller, forked by the template at ``template_socket``; started by Popen if
+    there is none or it cannot."""
+
+    op = "controller"
+    entrypoint_name = f"{__name__}.TemplateControllerLauncher"  # as for the engine set
+    template_socket = Unicode("", config=True, help="the template's socket ('' : none)")
+
+    def template_path(self) -> str:
+        return self.template_socket
+
+    def expected_cmd(self) -> list[str]:
+        return ["-m", "infini_notebook.launch.controller"]
 
 
 class TemplateEngineSetLauncher(LocalEngineSetLauncher):

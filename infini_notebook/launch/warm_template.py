@@ -22,6 +22,20 @@ class WarmTemplate:
         environment ``env`` the session's engines start with."""
         self._proc: psutil.Process | None = warmed.template if warmed else None
         self._env: dict = dict(env or {})
+        self._not_mine: set[int] = set()  # forked here, stopped by their owner (the controller)
+
+    def hand_over(self, pid: int) -> None:
+        """A process the template forked that ``kill_forked`` and ``end`` leave alone: the
+        controller, which ipyparallel stops (its schedulers and heart monitor with it) and a
+        hard restart keeps, whatever becomes of the template."""
+        self._not_mine.add(pid)
+
+    def _forked(self) -> list[psutil.Process]:
+        try:
+            children = self._proc.children() if self._proc is not None else []
+        except psutil.Error:
+            return []
+        return [p for p in children if p.pid not in self._not_mine]
 
     @property
     def process(self) -> psutil.Process | None:
@@ -71,11 +85,7 @@ class WarmTemplate:
         """SIGKILL what the template forked (engines, their nannies, spare engines) in one
         pass, waiting for none: they all end at once, and the template, alive, still reaps
         them and tells each launcher its engine's exit code."""
-        try:
-            forked = self._proc.children() if self._proc is not None else []
-        except psutil.Error:
-            forked = []
-        for proc in forked:
+        for proc in self._forked():
             try:
                 proc.kill()  # psutil refuses a pid reused since it listed the child
             except psutil.Error:
@@ -88,10 +98,6 @@ class WarmTemplate:
         still reaps."""
         if self._proc is None:
             return
-        try:
-            forked = self._proc.children()
-        except psutil.Error:
-            forked = []
-        end_all(forked, grace=0)
+        end_all(self._forked(), grace=0)
         end_all([self._proc], grace=0)
         self._proc = None
