@@ -19,14 +19,32 @@ Targets (issue 22, for the template path): start <= 3x import at 16 ranks and <=
 hard restart <= 0.5x import; push and pull <= 3x pickling; stop <= 1 s at 16 ranks.
 Issue 43's goals: start at 16 ranks <= 1.0x one import, hard restart (spares) <= 0.25x.
 
-Measured 2026-11-26 (``--ranks 4 16 --repeats 1``, one import torch 1.05 s in that run):
-start at 16 ranks, template warmed at %load_ext, 1.95 s = 1.86x (goal 1.0x: not met); at 4
-ranks 1.25x; hard restart at 4 ranks after a pause (spares) 0.34 s = 0.32x (goal 0.25x: not
-met), right after the start 0.70x; stop at 16 ranks 0.49 s. In a hard restart with spares
-(cProfile of the kernel, py-spy of the spares) 0.15 s of 0.25 s is the ranks' bootstrap,
-mostly the first process group's creation while four ranks share two cores; the kernel
-waited for the bootstrap replies with a 50 ms poll (now the replies' futures), and ending
-the old engines takes 0.07 s before the spares are bootstrapped.
+Measured 2026-11-26, before: start at 16 ranks (template warmed at %load_ext) 1.95 s =
+1.86x one import (4 ranks 1.25x), hard restart with spares 0.32x, stop at 16 ranks 0.49 s.
+
+Where a start's time went (/tmp scripts timing each step of ``Engines.start`` and the whole
+machine's CPU, ``psutil.cpu_times``, around it; 4 / 16 ranks): the controller 0.52 s (0.48 s
+of it a fresh interpreter importing ipyparallel's controller and starting its schedulers,
+before it writes its connection files, which the engines need), the engines forked and
+registered 0.19 / 0.57 s, the ranks' bootstrap (process groups) 0.08 / 0.23 s, the first
+all_reduce 0.02 / 0.06 s. Changed: the controller is forked from the warm template when it
+is ready (it has imported ipyparallel's controller; 0.52 -> 0.34 s); the kernel waits for
+the controller's files with a 5 ms poll (ipyparallel's polls every 0.1 s) and for engines
+by their registration (ipyparallel's callbacks; a 50 ms poll before).
+
+After (``--ranks 4 16 --repeats 2``, one import torch 0.81 s): start at 16 ranks 1.33 s =
+1.63x, at 4 ranks 0.65 s = 0.80x; hard restart with spares 0.20 s = 0.25x (goal met; single
+runs 0.24-0.26 s, 0.29-0.32x); stop at 16 ranks 0.25 s.
+
+The floor on this machine: a start at 16 ranks makes the machine do 2.0-2.2 s of CPU work
+(sixteen engines registering and starting their kernels, sixteen bootstraps creating the
+process groups, the controller), so on two cores it cannot take less than 1.0-1.1 s =
+1.2-1.3x one import: the 1.0x goal is below it here, and we are at 1.3x of that floor
+(the rest: steps that wait on one another, the controller before the engines, the engines
+before the bootstrap). A hard restart with spares is CPU-bound already (the machine's CPU /
+2 = its wall time: 0.51 s of CPU, 0.26 s), so what is left to gain there is CPU: 0.12-0.13 s
+is the four bootstraps creating process groups on two cores, 0.09-0.12 s before it
+(ending the old engines, taking the spares).
 """
 
 from __future__ import annotations
