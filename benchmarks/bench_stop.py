@@ -31,6 +31,10 @@ Measured 2026-11-26, the stop at 16 ranks before (main) and after, back to back 
 (best of 3; one import torch 0.89-0.96 s): 0.28 -> 0.24 s, then 0.35 -> 0.20 s. All sizes
 with this change: 0.12 / 0.15 / 0.18 / 0.22 s at 2 / 4 / 8 / 16 ranks (import torch 0.92 s):
 met (issue 43's 0.72 s was on a day one import torch took 2.96 s).
+Each stop now starts from a template warmed as %load_ext does, so the session forks its
+controller from it (bench_start.py): a stop then ends the controller after the template is
+gone, and waiting for it took 1.5-2 s (PID 1 reaping the orphan) until the launcher took its
+zombie for ended. With that: 0.11 / 0.17 s at 4 / 16 ranks (``--ranks 4 16 --repeats 3``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,19 @@ def import_torch() -> float:
     return float(out.stdout)
 
 
+def warm() -> None:
+    """A template warmed as %load_ext does: the session adopts it, and forks its controller
+    from it too (the everyday case)."""
+    from infini_notebook.launch import launchers, prewarm, template_client
+
+    prewarm.warm()
+    warmed = prewarm.warm_template()
+    path = launchers.template_socket(launchers.profile_dir(prewarm._warmed.workdir))
+    template_client.wait_ready(warmed, path)
+
+
 def stop_time(n: int) -> float:
+    warm()
     session = infini_notebook.start(nprocs=n)
     t0 = time.perf_counter()
     session.stop()

@@ -262,7 +262,9 @@ def become_controller(req: dict) -> None:
     name_process(b"ipcontroller")
     os.chdir(req["cwd"])
     sys.argv = ["ipcontroller", *req["argv"]]
-    from . import controller  # its schedulers and heart monitor are forked: they inherit it
+    # its schedulers and heart monitor are forked (multiprocessing's default on Linux up to
+    # Python 3.13) and inherit the patch; under forkserver they would run stock (slower only)
+    from . import controller
 
     controller.patch()
     from ipyparallel.controller import app

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import psutil
 from ipyparallel.cluster.launcher import (
@@ -54,7 +55,8 @@ class Forked:
         if not socket_path:
             raise TemplateUnavailable("no template")
         cmd, expected = list(self.find_args()), self.expected_cmd()
-        if cmd[1 : len(expected) + 1] != expected:
+        same_python = os.path.realpath(cmd[0]) == os.path.realpath(sys.executable)
+        if not same_python or cmd[1 : len(expected) + 1] != expected:
             raise TemplateUnavailable(f"a custom command ({' '.join(cmd)})")
         req = {
             "op": self.op,
@@ -79,10 +81,14 @@ class Forked:
     def wait_orphan(self) -> None:
         """The template died before the process: until it (now init's child) ends too; its
         exit code went with the template. Reporting it stopped while it runs lost
-        ipyparallel's hold of it (a spare engine outlived its session)."""
+        ipyparallel's hold of it (a spare engine outlived its session). Ended means a
+        zombie too: psutil waits for a process that is not its child until the pid is
+        gone, and PID 1 may take 1.5 s to reap it (a stop took that long) or never."""
         while not self._stop_waiting.is_set():
             try:
-                self.process.wait(timeout=1.0)
+                if self.process.status() == psutil.STATUS_ZOMBIE:
+                    return
+                self.process.wait(timeout=0.02)
                 return
             except psutil.TimeoutExpired:
                 continue
