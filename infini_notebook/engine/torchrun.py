@@ -82,7 +82,7 @@ def torchrun_namespace(
     return rank_namespace(layout, device, local_rank)
 
 
-GLOO_SETTLE_S = 0.05
+GLOO_SETTLE_S = 0.2  # a waiting worker wakes within ms; margin for a loaded machine
 
 
 def let_gloo_workers_finish() -> None:
