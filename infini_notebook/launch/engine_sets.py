@@ -241,8 +241,11 @@ class Engines:
         # the nannies and spare engines die with the engines, not after ipyparallel's stop
         self.template.kill_forked()
         self.stop_engines()  # first: a controller stopped while ours die takes ~1.5 s longer
-        self.template.end()  # with the nannies it forked, before they talk to the controller
+        # the controller before the template when the template forked it: the template reaps
+        # it (orphaned, it stayed a zombie until PID 1 reaped it: for ever under a PID 1
+        # that does not); its nannies got SIGKILL above, so none talks to it any more
         self.client.stop_controller(self.folder.profile_dir)
+        self.template.end()
         self._kill_leftovers()
         self._pids = {}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import sys
 
@@ -37,6 +38,10 @@ class Forked:
     op = ""  # the template's request that forks it
 
     def template_path(self) -> str:
+        raise NotImplementedError
+
+    def expected_cmd(self) -> list[str]:
+        """``-m MODULE``: what the command must run for the template to fork it instead."""
         raise NotImplementedError
 
     def start(self):
@@ -81,19 +86,22 @@ class Forked:
     def wait_orphan(self) -> None:
         """The template died before the process: until it (now init's child) ends too; its
         exit code went with the template. Reporting it stopped while it runs lost
-        ipyparallel's hold of it (a spare engine outlived its session). Ended means a
-        zombie too: psutil waits for a process that is not its child until the pid is
-        gone, and PID 1 may take 1.5 s to reap it (a stop took that long) or never."""
-        while not self._stop_waiting.is_set():
-            try:
-                if self.process.status() == psutil.STATUS_ZOMBIE:
+        ipyparallel's hold of it (a spare engine outlived its session). Its pidfd becomes
+        readable when it ends, a zombie still: psutil's wait for a process that is not its
+        child lasts until the pid is gone, and PID 1 took 1.5 s to reap it (a stop took
+        that long) or may never."""
+        try:
+            if not self.process.is_running():  # psutil's check also sees a reused pid
+                return
+            fd = os.pidfd_open(self.pid)
+        except (OSError, psutil.Error):  # gone already
+            return
+        try:
+            while not self._stop_waiting.is_set():
+                if select.select([fd], [], [], 1.0)[0]:
                     return
-                self.process.wait(timeout=0.02)
-                return
-            except psutil.TimeoutExpired:
-                continue
-            except psutil.Error:
-                return
+        finally:
+            os.close(fd)
 
     def wait_exit(self) -> int | None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
