@@ -144,6 +144,39 @@ class SessionPlan:
         return visible_entry(*cuda)
 
 
+def plan_to_json(plan: SessionPlan) -> dict:
+    """The plan as plain JSON data (a kept session's connection data: never a pickle, which
+    would run code when read back)."""
+    from dataclasses import asdict
+
+    return asdict(plan)
+
+
+def plan_from_json(data: dict) -> SessionPlan:
+    """The plan ``plan_to_json`` wrote: the same fields, tuples where the plan has tuples.
+    KeyError, TypeError or ValueError for data that is not such a plan."""
+    data = dict(data)
+    p = dict(data.pop("placement"))
+    placement = Placement(
+        launcher=str(p["launcher"]),
+        hosts=tuple((str(h), int(n)) for h, n in p["hosts"]),
+        gpus_per_node=p["gpus_per_node"],
+        env=tuple((str(k), str(v)) for k, v in p["env"]),
+        ssh_args=tuple(str(a) for a in p["ssh_args"]),
+        remote_python=str(p["remote_python"]),
+        slurm=tuple((str(k), str(v)) for k, v in p["slurm"]),
+    )
+    nccl = data.pop("nccl_version")
+    return SessionPlan(
+        placement=placement,
+        init_method=InitMethod(**data.pop("init_method")),
+        gpus=tuple(str(g) for g in data.pop("gpus")),
+        nccl_version=tuple(int(v) for v in nccl) if nccl is not None else None,
+        layout=dict(data.pop("layout")),
+        **data,
+    )
+
+
 def launcher_device(visible: str | None, local_rank: int, local_world: int) -> int:
     """The device index of a rank whose host or scheduler chose its GPUs, from the
     CUDA_VISIBLE_DEVICES it inherited (Slurm sets it to the job's GPUs on a shared node):

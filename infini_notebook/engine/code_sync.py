@@ -165,8 +165,8 @@ def _write(folder: str, rel: str, data: bytes) -> None:
     os.makedirs(parent, mode=0o700, exist_ok=True)
     if os.path.realpath(parent) != os.path.join(os.path.realpath(folder), *rel.split("/")[:-1]):
         raise ValueError(f"{rel}: a link in its path: refused")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    tmp = f"{path}.{os.urandom(4).hex()}.tmp"  # a new name: a leftover never blocks it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -26,6 +26,7 @@ from ..core import code_sync, signing
 from ..core.errors import DistCellError
 from ..core.ranks import rank_label
 from ..engine import code_sync as rank_side
+from ..engine import own_files
 
 SETTING = "autoreload.json"
 
@@ -96,11 +97,8 @@ class AutoReload:
 
     def _save(self) -> None:
         body = json.dumps({"on": self.on, "root": self.root, "copy_all": self.copy_all})
-        tmp = f"{self._path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        os.replace(tmp, self._path)
+        # a new temporary (O_EXCL|O_NOFOLLOW) renamed into place: never through a link
+        own_files.write_text(os.path.dirname(self._path), os.path.basename(self._path), body)
 
     # ----- before each cell -------------------------------------------------------------------
     def before_cell(self, s, targets: list[int]) -> str | None:
@@ -189,8 +187,8 @@ def _shell():
 
 def _read(path: str) -> dict:
     try:
-        with open(path) as f:
-            return json.load(f)
+        data = json.loads(own_files.read(path, 1 << 16))  # ours alone, never a FIFO or link
+        return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
 

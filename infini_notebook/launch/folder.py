@@ -1,4 +1,5 @@
-"""The session's folder and its guard: a 0700 temporary folder that only this session uses
+"""The session's folder and its guard: a 0700 folder in this user's private place
+(private_place.py: never in a folder others can write) that only this session uses
 (ipyparallel's profile, connection files, logs, stack dumps), the mark every process of the
 session carries (the profile folder's path, see watchdog.MARK), and the watchdog that ends
 those processes if the kernel dies. :class:`SessionFolder` is the only writer of all three."""
@@ -8,14 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import psutil
 
 from ..engine import shm_transport
-from . import launchers
-from .watchdog import FOLDER_PREFIX, remove_session_folder, remove_shared_files
+from . import launchers, private_place
+from .watchdog import remove_session_folder, remove_shared_files
 
 
 class SessionFolder:
@@ -23,7 +23,7 @@ class SessionFolder:
     ``remove`` with its folder in /dev/shm."""
 
     def __init__(self, warmed=None):
-        self.path: str = warmed.workdir if warmed else tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        self.path: str = warmed.workdir if warmed else private_place.new_session_folder()
         # No process of this session is older: the watchdog ends only those started after.
         self.created: float = warmed.created if warmed else time.time()
         # a Popen of ours, or (a kept session attached) the watchdog as psutil sees it

@@ -8,9 +8,14 @@ outlive the kernel, and a new kernel of the same user take it over.
   kernel drives it, how long to wait once none does) instead of the kernel that started it,
   and ends every process, the folder and the shared-memory files when nobody attached in
   time. The ranks and the store host watch the watchdog, not the kernel.
-- The **connection data** (``keep.json`` and ``plan.pickle``, 0600 in the 0700 folder) is
-  what an attaching kernel reads: the name, the store's address, the key root and the
-  session's signing key (never written into the store), the controller's cluster id.
+- The **connection data** (``keep.json``, 0600 in the 0700 folder, JSON: never a pickle) is
+  what an attaching kernel reads: the name, the plan, the store's address, the key root and
+  the session's signing key (never written into the store), the controller's cluster id.
+- Kept sessions are **entered by name** in this user's private place (private_place.py),
+  with their folder's identity; a name is claimed (O_EXCL) before the start. Nothing is
+  found by globbing a folder others can write, and every file of a session folder is read
+  through ``own_files.read`` (no link followed, no FIFO waited on, owner, mode and size
+  checked on the open file).
 
 :class:`Keeper` is the only writer of the lease and the connection data; Engines writes the
 rank -> engine map (``ranks.json``) it keeps up to date across hard restarts. Every process
@@ -20,13 +25,10 @@ kill, which signal the kernel's whole process group, reach none of them.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import pickle
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +36,12 @@ from typing import Any
 import psutil
 
 from ..core.errors import DistUsageError
-from ..core.keep import format_duration
+from ..core.keep import format_duration, lease_verdict
+from ..core.plan import plan_from_json, plan_to_json
+from ..engine import own_files
+from . import private_place
 from .watchdog import (
     DETACHED,
-    FOLDER_PREFIX,
     LEASE,
     MARK,
     end_all,
@@ -49,10 +53,11 @@ from .watchdog import (
 )
 
 CONNECTION = "keep.json"
-PLAN = "plan.pickle"
 RANKS = "ranks.json"
 HISTORY = "history.jsonl"  # the cells every driving kernel ran (see record_cell)
 STORE_READY_S = 120.0  # the store host's ``import torch`` on a loaded machine
+JSON_CAP = 1 << 20  # keep.json, lease.json, ranks.json: a few hundred bytes each
+HISTORY_CAP = 256 << 20  # every cell's source, from every kernel that drove it
 
 
 @dataclass
@@ -141,11 +146,18 @@ class Keeper:
             "token": rdzv.token, "mac_key": rdzv.mac_key, "cluster_id": cluster_id,
             "watchdog": [guard.pid, guard.create_time()], "world_size": self.plan.world_size,
             "backend": self.plan.backend, "gpus": list(self.plan.gpus),
+            "plan": plan_to_json(self.plan),
         }  # fmt: skip
-        write_private(self.folder.file(PLAN), pickle.dumps(self.plan))
         write_private(self.folder.file(CONNECTION), json.dumps(data).encode())
         self._write_lease(holder=me())
+        private_place.register(self.name, self.folder.path)  # found by name from now on
         return True
+
+    def forget(self) -> None:
+        """The session ended from this kernel (or its start failed): its entry goes, its
+        name is free again."""
+        if self.keeps:
+            private_place.unregister(self.name, self.folder.path)
 
     # ----- who drives it ----------------------------------------------------------------------
     def _write_lease(self, **fields) -> None:
@@ -212,7 +224,8 @@ class Keeper:
         """Append a cell this kernel ran while it drove the session."""
         if self.keeps and source.strip() and self._lost is None:
             line = json.dumps({"source": source, "ok": ok}) + "\n"
-            fd = os.open(self.folder.file(HISTORY), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.folder.file(HISTORY), flags, 0o600)
             with os.fdopen(fd, "a", encoding="utf-8") as f:
                 f.write(line)
 
@@ -221,11 +234,26 @@ class Keeper:
         from ..core.export import HistoryCell
 
         try:
-            with open(self.folder.file(HISTORY), encoding="utf-8") as f:
-                cells = [json.loads(line) for line in f if line.strip()]
+            text = own_files.read(self.folder.file(HISTORY), HISTORY_CAP).decode("utf-8")
+            cells = [json.loads(line) for line in text.splitlines() if line.strip()]
         except (OSError, ValueError):
             cells = []
         return [HistoryCell(n, c["source"], c["ok"]) for n, c in enumerate(cells, 1)]
+
+    def mark_ok(self, number: int) -> None:
+        """Cell ``number`` of ``history()``, recorded as failed, finished ok after all: the
+        kernel that ran it went (Jupyter's restart interrupts it first) and the ranks ran it
+        through with no kernel attached (see kernel/left_output.py)."""
+        if not self.keeps or self._lost is not None:
+            return
+        try:
+            text = own_files.read(self.folder.file(HISTORY), HISTORY_CAP).decode("utf-8")
+            cells = [json.loads(line) for line in text.splitlines() if line.strip()]
+            cells[number - 1]["ok"] = True
+        except (OSError, ValueError, IndexError, TypeError):
+            return
+        body = "".join(json.dumps(c) + "\n" for c in cells)
+        write_private(self.folder.file(HISTORY), body.encode())
 
     @property
     def lost(self) -> str | None:
@@ -235,46 +263,55 @@ class Keeper:
 
 # ----- finding kept sessions ------------------------------------------------------------------
 def write_private(path: str, body: bytes) -> None:
-    """Write ``path`` 0600, whole or not at all (a reader never sees half of it)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(body)
-    os.replace(tmp, path)
+    """Write ``path`` 0600, whole or not at all (a reader never sees half of it), through a
+    new temporary file (O_EXCL|O_NOFOLLOW): a link planted at any name is never written
+    through."""
+    own_files.write_bytes(os.path.dirname(path), os.path.basename(path), body)
 
 
-def _private(path: str, mode: int) -> bool:
-    """Ours, and nobody else may read or write it."""
+def _read_json(name: str, dir_fd: int) -> dict:
+    data = json.loads(own_files.read(name, JSON_CAP, dir_fd=dir_fd))
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} holds no object")
+    return data
+
+
+def _load(name: str, entry: dict) -> Kept | str:
+    """The kept session entered as ``name``, or why it cannot be attached (one line; a line
+    starting with "stale" when its processes are gone or it is ending)."""
+    if not entry:
+        return "no entry"
+    if "folder" not in entry:
+        pid = private_place.claimed_by_live(entry)
+        return f"kernel pid {pid} is starting it" if pid else "stale (a start that never ended)"
     try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and st.st_mode & 0o777 & ~mode == 0
-
-
-def _candidates() -> list[str]:
-    """Folders of this user's kept sessions on this machine (not yet checked)."""
-    pattern = os.path.join(tempfile.gettempdir(), glob.escape(FOLDER_PREFIX) + "*", CONNECTION)
-    return [os.path.dirname(p) for p in glob.glob(pattern)]
-
-
-def _load(workdir: str) -> Kept | str:
-    """The kept session in ``workdir``, or why it cannot be attached (one line)."""
-    path = os.path.join(workdir, CONNECTION)
-    if not (_private(workdir, 0o700) and _private(path, 0o600)):
-        return f"its connection data ({path}) is not this user's alone: refused"
-    data = read_json(path)
-    if not data or "watchdog" not in data:
-        return f"its connection data ({path}) is unreadable"
-    watchdog = same_process(*data["watchdog"])
-    if watchdog is None:
-        return "stale (its processes are gone, after a reboot or a kill)"
-    plan_path = os.path.join(workdir, PLAN)
-    if not _private(plan_path, 0o600):
-        return f"its plan ({plan_path}) is not this user's alone: refused"
-    with open(plan_path, "rb") as f:
-        plan = pickle.load(f)  # noqa: S301 (our own 0600 file in our own 0700 folder)
-    ranks = read_json(os.path.join(workdir, RANKS)) or {}
+        workdir, fd = private_place.open_entry(entry)
+    except FileNotFoundError:
+        return "stale (its folder is gone)"
+    except OSError as e:
+        return f"{e}"
+    try:
+        data = _read_json(CONNECTION, fd)
+        plan = plan_from_json(data["plan"])
+        watchdog = same_process(*data["watchdog"])
+        if watchdog is None:
+            return "stale (its processes are gone, after a reboot or a kill)"
+        try:
+            lease = _read_json(LEASE, fd)
+        except FileNotFoundError:
+            lease = {}
+        if _ending(lease, data, fd):
+            return "stale (it is ending)"
+        try:
+            ranks = _read_json(RANKS, fd)
+        except FileNotFoundError:
+            ranks = {}
+    except own_files.NotOurs as e:
+        return str(e)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its connection data is unreadable ({type(e).__name__}: {e})"
+    finally:
+        os.close(fd)
     template = same_process(*ranks["template"]) if ranks.get("template") else None
     return Kept(
         data["name"], workdir, float(data["created"]), float(data["keep_s"]), data, plan,
@@ -282,64 +319,124 @@ def _load(workdir: str) -> Kept | str:
     )  # fmt: skip
 
 
+def _ending(lease: dict, data: dict, fd: int) -> bool:
+    """Whether the session is on its way out: told to end, or detached past its keep time."""
+    if lease.get("end"):
+        return True
+    holder = lease.get("holder")
+    if holder and same_process(int(holder[0]), float(holder[1])) is not None:
+        return False
+    since = _detached_since(fd)
+    return since is not None and lease_verdict(lease, False, since, time.time()) == "end"
+
+
+def _detached_since(fd: int) -> float | None:
+    """When the watchdog saw the session lose its driver (None: it did not write it yet)."""
+    try:
+        return float(own_files.read(DETACHED, 64, dir_fd=fd))
+    except (OSError, ValueError):
+        return None
+
+
 def kept_sessions() -> dict[str, Kept]:
-    """This user's kept sessions on this machine, by name. Stale entries (a reboot, a
-    killed watchdog) are removed as they are found."""
+    """This user's live kept sessions on this machine, by name. Entries of sessions whose
+    processes are gone (a reboot, a killed watchdog) are removed as they are found."""
     found = {}
-    for workdir in _candidates():
-        kept = _load(workdir)
+    for name in private_place.names():
+        entry = private_place.read_entry(name)
+        kept = _load(name, entry)
         if isinstance(kept, Kept):
-            found[kept.name] = kept
+            found[name] = kept
         elif kept.startswith("stale"):
-            remove_stale(workdir)
+            remove_stale(name, entry)
     return found
 
 
-def remove_stale(workdir: str) -> None:
+def remove_stale(name: str, entry: dict) -> None:
     """What the watchdog of a session whose watchdog is gone would have done: end the
     processes it left (its watchdog was killed: the controller and the template do not
-    watch it; after a reboot there are none), remove the folder and its /dev/shm folder."""
-    if not _private(workdir, 0o700):
+    watch it; after a reboot there are none), remove the folder and its /dev/shm folder,
+    and the entry. A session still ending (its watchdog alive) is left to its watchdog."""
+    if "folder" not in entry:  # a claim whose kernel died before the start ended
+        if private_place.claimed_by_live(entry) is None:
+            _drop(name, entry)
         return
-    data = read_json(os.path.join(workdir, CONNECTION)) or {}
     try:
+        workdir, fd = private_place.open_entry(entry)
+    except FileNotFoundError:
+        _drop(name, entry)
+        return
+    except OSError:
+        return  # not ours to touch
+    try:
+        data = _read_json(CONNECTION, fd)
+        if same_process(*data["watchdog"]) is not None:
+            return  # still ending: its watchdog cleans up
         created = float(data["created"])
-    except (KeyError, TypeError, ValueError):
-        created = os.stat(workdir).st_mtime  # no process of it is older than its folder
+    except (OSError, ValueError, KeyError, TypeError):
+        created = os.fstat(fd).st_mtime  # no process of it is older than its folder
+    finally:
+        os.close(fd)
     for _ in range(2):  # a template caught halfway may still fork
         end_all(session_processes(os.path.join(workdir, "profile"), created))
     remove_session_folder(workdir)
     remove_shared_files(workdir)
+    _drop(name, entry)
+
+
+def _drop(name: str, entry: dict) -> None:
+    """Remove the entry ``name`` if it is still ``entry``."""
+    if private_place.read_entry(name) == entry:
+        private_place.remove_entry(name)
 
 
 def find(name: str) -> Kept:
-    """The kept session ``name``; DistUsageError naming what exists otherwise. A folder
-    of another user's (or a stale one) that claims the name does not hide this user's."""
-    problem = None
-    for workdir in _candidates():
-        data = read_json(os.path.join(workdir, CONNECTION)) or {}
-        if data.get("name") != name:
-            continue
-        kept = _load(workdir)
-        if isinstance(kept, Kept):
-            return kept
-        if kept.startswith("stale"):
-            remove_stale(workdir)
-        problem = problem or kept
-    if problem:
-        raise DistUsageError(f"Cannot attach session {name!r}: {problem}.")
+    """The kept session ``name``; DistUsageError naming what exists otherwise."""
+    entry = private_place.read_entry(name)
+    kept = _load(name, entry)
+    if isinstance(kept, Kept):
+        return kept
+    if kept.startswith("stale"):
+        remove_stale(name, entry)
+        raise DistUsageError(f"Cannot attach session {name!r}: {kept}; its entry is removed.")
+    if kept != "no entry":
+        raise DistUsageError(f"Cannot attach session {name!r}: {kept}.")
     names = sorted(kept_sessions())
     known = f"Kept sessions: {', '.join(names)}." if names else "No session is kept."
     raise DistUsageError(f"No kept session is named {name!r}. {known} See %dist_sessions.")
 
 
-def check_free(name: str) -> None:
-    """Refuse a name a live kept session of this user has."""
-    if name in kept_sessions():
-        raise DistUsageError(
-            f"A kept session named {name!r} runs already. Attach it with %dist_attach "
-            f"{name}, end it with %dist_stop {name}, or pick another --name."
+def claim_name(name: str) -> None:
+    """Claim ``name`` for a session this kernel starts (atomically: two kernels starting
+    the same name at once, one wins); DistUsageError, one line, when it is taken."""
+
+    def taken(entry: dict) -> str | None:
+        kept = _load(name, entry)
+        if isinstance(kept, Kept):
+            return (
+                f"A kept session named {name!r} runs already. Attach it with %dist_attach "
+                f"{name}, end it with %dist_stop {name}, or pick another --name."
+            )
+        starter = private_place.claimed_by_live(entry)
+        if starter is not None:
+            return (
+                f"A kept session named {name!r} is being started by kernel pid {starter}: "
+                "attach it once it runs (%dist_attach), or pick another --name."
+            )
+        if kept.startswith("stale") or kept == "no entry":
+            remove_stale(name, entry)
+            return None
+        return (
+            f"The name {name!r} is entered for a folder that cannot be used ({kept}): "
+            f"pick another --name, or end it with %dist_stop {name}."
         )
+
+    private_place.claim(name, taken)
+
+
+def release_name(name: str) -> None:
+    """Give back a name this kernel claimed for a start that failed."""
+    private_place.unregister(name, None)
 
 
 def stop(name: str, timeout: float = 30.0) -> None:
@@ -371,8 +468,7 @@ def describe(kept: Kept, now: float | None = None) -> dict:
         driver = f"kernel pid {holder[0]}"
     else:
         try:
-            with open(os.path.join(kept.workdir, DETACHED)) as f:
-                since = float(f.read())
+            since = float(own_files.read(os.path.join(kept.workdir, DETACHED), 64))
         except (OSError, ValueError):
             since = now
         driver = f"detached, ends in {format_duration(since + kept.keep_s - now)}"

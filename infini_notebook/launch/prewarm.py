@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -50,16 +49,18 @@ def warm() -> None:
     global _warmed
     if sys.platform != "linux":
         return
-    from . import launchers, template_client
+    from . import launchers, private_place, template_client
     from .folder import spawn_watchdog
-    from .watchdog import FOLDER_PREFIX
 
     with _lock:
         if _warmed is not None and template_client.alive(_warmed.template):
             return
         discard_locked()
         created = time.time()
-        workdir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+        try:
+            workdir = private_place.new_session_folder()
+        except Exception:  # no private place: %dist_start will say why
+            return
         profile_dir = launchers.profile_dir(workdir)
         watchdog = spawn_watchdog(profile_dir, created)  # first, as a session's
         env = dict(os.environ)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -41,8 +42,29 @@ def start_template(env: dict, profile_dir: str, socket_path: str, log_path: str)
     return psutil.Process(proc.pid)
 
 
+def socket_problem(socket_path: str) -> str | None:
+    """Why ``socket_path`` is not our template's socket (a link, not a socket, another
+    user's), or None. Checked before every request: a fork request carries the kernel's
+    whole environment and the ipyparallel key, and goes to no socket we did not check."""
+    try:
+        st = os.lstat(socket_path)
+    except OSError as e:
+        return f"{socket_path}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{socket_path} is a symbolic link"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{socket_path} is not a socket"
+    if st.st_uid != os.geteuid():
+        return f"{socket_path} belongs to uid {st.st_uid}, not to this user"
+    return None
+
+
 def request(socket_path: str, req: dict, timeout: float | None = 30.0) -> dict:
-    """One request, its reply; TemplateUnavailable if the template cannot answer."""
+    """One request, its reply; TemplateUnavailable if the template cannot answer, or its
+    socket is not one of ours (nothing is sent then)."""
+    problem = socket_problem(socket_path)
+    if problem:
+        raise TemplateUnavailable(f"the template's socket is refused: {problem}")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
@@ -73,12 +95,15 @@ def read_line(conn: socket.socket) -> dict:
 def wait_ready(proc: psutil.Process, socket_path: str, timeout: float = READY_TIMEOUT_S) -> None:
     """Until the template listens (its imports done); TemplateUnavailable if it died."""
     deadline = time.monotonic() + timeout
-    while not os.path.exists(socket_path):
+    while not os.path.lexists(socket_path):
         if not alive(proc):
             raise TemplateUnavailable("the template exited while importing (see its log)")
         if time.monotonic() > deadline:
             raise TemplateUnavailable(f"the template was not ready in {timeout:.0f}s")
         time.sleep(0.02)
+    problem = socket_problem(socket_path)
+    if problem:
+        raise TemplateUnavailable(f"the template's socket is refused: {problem}")
 
 
 def alive(proc: psutil.Process) -> bool:

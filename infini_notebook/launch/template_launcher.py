@@ -24,7 +24,7 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Unicode
 
-from .template_client import TemplateUnavailable, read_line, request
+from .template_client import TemplateUnavailable, read_line, request, socket_problem
 
 FORKED = "forked from the warm template"
 
@@ -104,6 +104,9 @@ class Forked:
             os.close(fd)
 
     def wait_exit(self) -> int | None:
+        problem = socket_problem(self.template_path())
+        if problem:  # never a request to a socket we did not check
+            raise OSError(f"the template's socket is refused: {problem}")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.template_path())
             conn.sendall(json.dumps({"op": "wait", "pid": self.pid}).encode() + b"\n")

@@ -130,11 +130,14 @@ DETACHED = "detached"  # written by the watchdog: since when no kernel drives it
 
 
 def read_json(path: str) -> dict | None:
+    """The JSON object in our own file ``path``; None for none, or one that is not ours to
+    read (a link, a FIFO, a device, another user's: see own_files.read)."""
     import json
 
+    from ..engine.own_files import read
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read(path, 1 << 20))
         return data if isinstance(data, dict) else None
     except (OSError, ValueError):
         return None
@@ -172,8 +175,9 @@ def _write_detached(folder: str, since: float | None) -> None:
         if since is None:
             os.remove(path)
         else:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(repr(since))
+            from ..engine.own_files import write_text
+
+            write_text(folder, DETACHED, repr(since))  # 0600, never through a link
     except OSError:
         pass
 
@@ -184,8 +188,17 @@ def main(argv: list[str]) -> int:
     # Twice: a launcher caught halfway may still start a process as the first round ends.
     for _ in range(2):
         end_all(session_processes(profile_dir, since))
-    remove_session_folder(os.path.dirname(profile_dir))  # the kernel cannot any more
-    remove_shared_files(os.path.dirname(profile_dir))
+    folder = os.path.dirname(profile_dir)
+    name = (read_json(os.path.join(folder, LEASE)) or {}).get("name")
+    remove_session_folder(folder)  # the kernel cannot any more
+    remove_shared_files(folder)
+    if name:  # a kept session's entry in the private place (see private_place.py)
+        from .private_place import unregister
+
+        try:
+            unregister(str(name), folder)
+        except Exception:
+            pass
     return 0
 
 
