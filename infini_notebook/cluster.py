@@ -62,11 +62,16 @@ def start(
         )
     plan = plan_from_options(options, **keywords)
     if plan.keep_s:
-        keep.check_free(plan.name)
-    if progress is not None:
-        progress(0, 0)  # the options are good: only now a "starting..." bar
-    session = Session(plan, warmed=prewarm.take_for(plan))
-    session.start(progress)
+        keep.claim_name(plan.name)  # atomically, before anything starts
+    try:
+        if progress is not None:
+            progress(0, 0)  # the options are good: only now a "starting..." bar
+        session = Session(plan, warmed=prewarm.take_for(plan))
+        session.start(progress)
+    except BaseException:
+        if plan.keep_s:
+            keep.release_name(plan.name)
+        raise
     _current = session
     return session
 
@@ -180,6 +185,7 @@ class Session:
         self.engines.client.stop_loop()
         self.rendezvous.close()
         self.folder.remove()  # and the shared-memory files only a killed engine leaves
+        self.keeper.forget()  # a kept session's entry: its name is free again
         if _current is self:
             _current = None
         try:
