@@ -241,3 +241,48 @@ def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
         assert wait_until_gone(folder, 40) == []
         assert time.monotonic() - t0 > 4  # it waited its keep time for a kernel
         assert not os.path.exists(folder)
+
+
+HARD_ROUNDS = int(os.environ.get("INFINI_HARD_ROUNDS", "3"))  # 20 in the issue's stress run
+
+
+def test_a_hard_restart_after_attach_keeps_the_session():
+    """Issue 48: `%dist_restart --hard` right after `%dist_attach` failed 6 of 6 ("'<' not
+    supported between instances of 'dict' and 'int'") and ended the kept session when the
+    earlier kernel had made its spare engines. Each round: the driving kernel's spares are
+    there, Jupyter restarts the kernel, the new one attaches and restarts hard; in turn
+    with nothing else, with a rank that died while detached, and with autoreload on."""
+    from conftest import SPARES
+
+    name = f"kh-{secrets.token_hex(3)}"
+    with fresh_kernel() as cells:
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=180)
+        folder = folder_of(cells)
+        for round in range(HARD_ROUNDS):
+            case = ("spares", "a dead rank", "autoreload")[round % 3]
+            spares = text_of(cells.run(SPARES, timeout=90)).strip()
+            assert spares.startswith("[") and spares != "[]", spares  # the earlier kernel's
+            if case == "autoreload":
+                cells.run("%dist_autoreload on")
+            rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
+            restart(cells)
+            if case == "a dead rank":
+                psutil.Process(rank1).kill()
+            said = text_of(cells.run(f"%dist_attach {name}"))
+            assert "was detached" in said, said
+            if case == "a dead rank":
+                assert "rank 1 died while detached" in said, said
+            out = text_of(cells.run("%dist_restart --hard", timeout=180, allow_error=True))
+            assert "Restarted (engines restarted)" in out, (case, out)
+            out = text_of(
+                cells.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+            )
+            assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out, (case, out)
+            if case == "autoreload":
+                assert "autoreload on" in said, said
+                assert "on" in text_of(cells.run("print(dist_session.autoreload_state())"))
+                cells.run("%dist_autoreload off")
+        listed = text_of(cells.run("%dist_sessions"))
+        assert name in listed and f"kernel pid {cells.kernel_pid}" in listed, listed
+        cells.run("%dist_stop")
+        assert wait_until_gone(folder, 15) == []

@@ -14,7 +14,7 @@ from ..core.plan import soft_restart_fails
 from ..core.ranks import rank_label
 from ..engine import bootstrap
 from ..launch import startup
-from . import supervision
+from . import left_output, supervision
 
 STUCK_SETTLE_S = 3.0  # a soft restart waits this long for ranks still finishing a cell
 HARD_FIX = "%dist_restart --hard"
@@ -31,6 +31,9 @@ def soft_restart(s, after_failure: bool = False) -> None:
             f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
         )
     stuck = supervision.stuck_ranks(s, settle=STUCK_SETTLE_S)
+    left, covered = left_output.still_running(s, stuck)  # an earlier kernel's cell
+    if left and set(stuck) <= set(covered):
+        raise DistUsageError(f"Cannot restart softly: {left}.")
     if stuck:
         raise DistUsageError(
             f"Cannot restart softly: {rank_label(stuck)[1:-1]} still running earlier "
@@ -55,24 +58,37 @@ def soft_restart(s, after_failure: bool = False) -> None:
 
 
 def hard_restart(s, progress=None) -> None:
-    """New engines (variables are lost); if they cannot come up, stop everything rather than
-    leave half a session running."""
-    # A running controller stays (see Client.ensure_controller), and the spare engines
-    # forked while the session was idle become the ranks (see spares.py).
-    s.engines.stop_engines(keep_standby=True)
-    s.folder.remove_shared_files()
-    s.book.restarted(hard=True)
+    """New engines (variables are lost). If they cannot come up, an ordinary session stops
+    rather than leave half a session running; a kept session never ends on its own: the
+    error says which step failed, and its store, controller, watchdog and lease stay for
+    another try (its processes are what the user kept it for)."""
+    step = "stopping the old engines"
     try:
+        # A running controller stays (see Client.ensure_controller), and the spare engines
+        # forked while the session was idle become the ranks (see spares.py).
+        s.engines.stop_engines(keep_standby=True)
+        s.folder.remove_shared_files()
+        s.book.restarted(hard=True)
+        step = "bringing up the new engines and their process groups"
         s.book.record(startup.bring_up(s.plan, s.engines, s.rendezvous, s.folder, progress))
     except KeyboardInterrupt:
-        s.stop()
+        if not s.keeper.keeps:
+            s.stop()
         raise
     except Exception as e:
-        s.stop()
         why = e.summary if isinstance(e, DistCellError) else one_line(e)
+        if s.keeper.keeps:
+            raise DistCellError(
+                f"Hard restart failed while {step}: {why}. The kept session "
+                f"{s.keeper.name!r} stays (its store, controller and lease): run "
+                f"{HARD_FIX} again, or %dist_stop to end it.",
+                getattr(e, "report", ""),
+                getattr(e, "ranks", []),
+            ) from None
+        s.stop()
         raise DistCellError(
-            f"Hard restart failed: {why}. The session is stopped and nothing is left "
-            "running: start a new one with %dist_start.",
+            f"Hard restart failed while {step}: {why}. The session is stopped and nothing "
+            "is left running: start a new one with %dist_start.",
             getattr(e, "report", ""),
             getattr(e, "ranks", []),
         ) from None

@@ -22,7 +22,7 @@ from . import spares
 from .client import Client
 from .folder import SessionFolder
 from .warm_template import WarmTemplate
-from .watchdog import MARK, end_all, session_processes
+from .watchdog import MARK, end_all, session_processes, wait_gone
 
 log = logging.getLogger("infini_notebook")
 
@@ -114,14 +114,9 @@ class Engines:
         self._hand_over_controller()
         cluster = self.client.cluster
         spare = [s for s in (cluster.engines if cluster else {}) if s != self._set_id]
-        kill(
-            [
-                launcher.process
-                for s in spare
-                for launcher in getattr(cluster.engines[s], "launchers", {}).values()
-                if getattr(launcher, "process", None) is not None
-            ]
-        )
+        # ended and forgotten: an ended set left in the cluster made the next hard
+        # restart's wait for its engines fail ("engine ... exited while starting")
+        self.stop_engine_sets(spare, local=True)
 
     def _launch(self, progress: Progress | None) -> list[int]:
         """One new engine per rank; their ids once all registered."""
@@ -136,7 +131,7 @@ class Engines:
         cluster = self.client.cluster
         self._set_id = self.client.in_loop(cluster.start_engines(self.plan.world_size, **options))
         self.how = self.launch_note(cluster.engines[self._set_id])
-        return self.wait_for_engines(progress, known)
+        return self.wait_for_engines(progress, known, self._set_id)
 
     def _hand_over_controller(self) -> None:
         """A controller the template forked is stopped by ipyparallel, not with what the
@@ -175,19 +170,21 @@ class Engines:
         return f"engines started as new processes ({'; '.join(reasons)})"
 
     def wait_for_engines(
-        self, progress: Progress | None, known: set[int], timeout: float = 120
+        self, progress: Progress | None, known: set[int], set_id: str, timeout: float = 120
     ) -> list[int]:
-        """The ids of the world_size engines that registered after ``known`` were there."""
+        """The ids of the world_size engines that registered after ``known`` were there;
+        EnginesExited when the engine set ``set_id`` (the one they come from) ended first.
+        Other sets do not count: an earlier kernel's spares, ended at an attach, and the
+        set a hard restart just stopped."""
         world = self.plan.world_size
         deadline = time.monotonic() + timeout
         note, asked = "engines up", 0.0
         while len(new := sorted(self.client.ids() - known)) < world:
             if progress:
                 progress(len(new), world, note)
-            sets = self.client.cluster.engines.values()
-            stopped = [es for es in sets if es.state == "after"]
-            if stopped:
-                raise EnginesExited(stopped[0])
+            engine_set = self.client.cluster.engines.get(set_id)
+            if engine_set is None or engine_set.state == "after":
+                raise EnginesExited(engine_set)
             if time.monotonic() - asked > 1:  # a batch job: ask its scheduler, not too often
                 note, asked = self._check_batch_job() or note, time.monotonic()
             if time.monotonic() > deadline:
@@ -261,24 +258,27 @@ class Engines:
         cluster = self.client.cluster
         if cluster is not None:
             self.stop_engine_sets([self._set_id] if keep_standby else list(cluster.engines))
-        psutil.wait_procs(engines, timeout=5)
+        wait_gone(engines, 5)  # by their exits: an attached kernel is not their parent
         if keep_standby:  # a hard restart: the next engines' pids come with them
             self._pids = {}
 
-    def stop_engine_sets(self, set_ids: list[str], cluster: Any = None) -> None:
+    def stop_engine_sets(
+        self, set_ids: list[str], cluster: Any = None, local: bool = False
+    ) -> None:
         """These engine sets: their engines killed at once when they are local forks (see
-        _kill_engines; psutil checks each one's start time), then stopped by ipyparallel.
-        Other launchers' processes (mpiexec, ssh, srun) are left to ipyparallel's stop:
-        killed outright, they could not end the engines they started elsewhere. The sets are
-        ``cluster``'s (default: the session's)."""
+        _kill_engines; psutil checks each one's start time; ``local``: they are, whatever
+        the plan says), then stopped by ipyparallel. Other launchers' processes (mpiexec,
+        ssh, srun) are left to ipyparallel's stop: killed outright, they could not end the
+        engines they started elsewhere. The sets are ``cluster``'s (default: the session's)."""
         cluster = cluster or self.client.cluster
         if cluster is None:
             return
+        forked = local or not self.plan.template_off
         procs = [
             launcher.process
             for set_id in set_ids
             for launcher in getattr(cluster.engines.get(set_id), "launchers", {}).values()
-            if not self.plan.template_off and getattr(launcher, "process", None) is not None
+            if forked and getattr(launcher, "process", None) is not None
         ]
         kill(procs)
         for set_id in set_ids:
@@ -330,13 +330,18 @@ def kill(procs: list[psutil.Process]) -> None:
             pass
 
 
-def exit_description(code: int | None) -> str:
+def exit_description(code) -> str:
+    """An exit code in words; "exit status unknown" for anything that is not one (a
+    launcher that reattached to an engine after a kernel restart reports a dict)."""
     import signal
 
-    if code is None:
+    if not isinstance(code, int) or isinstance(code, bool):
         return "exit status unknown"
     if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
     return f"exit code {code}"
 
 
@@ -344,13 +349,16 @@ class EnginesExited(RuntimeError):
     """Engines ended before registering; carries the tail of what they printed."""
 
     def __init__(self, engine_set, lines: int = 20):
-        exits = (engine_set.stop_data or {}).get("engines", {})
-        failed = {i: d.get("exit_code") for i, d in exits.items() if d.get("exit_code")}
-        ident, code = next(iter(failed.items()), next(iter(exits.items()), ("?", None)))
+        data = getattr(engine_set, "stop_data", None)
+        exits = data.get("engines", {}) if isinstance(data, dict) else {}
+        exits = {i: d for i, d in exits.items() if isinstance(d, dict)}
+        codes = {i: d.get("exit_code") for i, d in exits.items()}
+        failed = {i: c for i, c in codes.items() if c}
+        ident, code = next(iter(failed.items()), next(iter(codes.items()), ("?", None)))
         more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
         super().__init__(f"engine {ident} exited while starting ({exit_description(code)}){more}")
         try:
-            output = engine_set.get_output()
+            output = engine_set.get_output() if engine_set is not None else ""
         except Exception:
             output = ""
         self.output = "".join(output.splitlines(True)[-lines:])

@@ -101,7 +101,7 @@ def take(engines, standby: Standby | None, progress: Progress | None):
             raise RuntimeError("the spare engines' template is gone")
         if len(engine_set.launchers) < world:  # its launcher saw one end
             raise RuntimeError("a spare engine ended")
-        eids = engines.wait_for_engines(progress, standby.known, timeout=STANDBY_WAIT_S)
+        eids = engines.wait_for_engines(progress, standby.known, set_id, STANDBY_WAIT_S)
     except Exception as e:
         log.warning("a hard restart forks new engines: the spare ones are unusable (%s)", e)
         end(engines, standby)
