@@ -255,9 +255,10 @@ def test_a_hard_restart_after_attach_keeps_the_session():
     from conftest import SPARES
 
     name = f"kh-{secrets.token_hex(3)}"
-    with fresh_kernel() as cells:
+    with attacker_in_tmpdir(name) as attack, fresh_kernel() as cells:
         cells.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=180)
         folder = folder_of(cells)
+        attack.start(folder)
         for round in range(HARD_ROUNDS):
             case = ("spares", "a dead rank", "autoreload")[round % 3]
             spares = text_of(cells.run(SPARES, timeout=90)).strip()
@@ -284,5 +285,103 @@ def test_a_hard_restart_after_attach_keeps_the_session():
                 cells.run("%dist_autoreload off")
         listed = text_of(cells.run("%dist_sessions"))
         assert name in listed and f"kernel pid {cells.kernel_pid}" in listed, listed
+        assert listed.count(name) == 1 and "evil" not in listed, listed
+        cells.run("%%dist\nsecret_token = 'hunter2'")  # into history.jsonl: ours alone
+        attack.check(folder)
         cells.run("%dist_stop")
         assert wait_until_gone(folder, 15) == []
+
+
+class attacker_in_tmpdir:
+    """uid 65534 in the kernel's TMPDIR, a world-writable folder without the sticky bit:
+    a planted session folder named like ours (keep.json naming our session, a pickled plan
+    that would run a command, a FIFO keep.json, a /dev/zero link), and a link re-pointed
+    between our folder and theirs, 1,000 times a round, while the kernel lists, attaches
+    and restarts. The old code globbed TMPDIR for sessions: it adopted such links, sent
+    cells' sources into the attacker's folder and unpickled their plan."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        import tempfile
+        import threading
+
+        from other_user import OTHER_UID, as_other
+
+        if os.geteuid() != 0:
+            pytest.skip("needs root to act as a second user (uid 65534)")
+        self.ww = tempfile.mkdtemp(prefix="inb-ww-", dir="/tmp")
+        os.chmod(self.ww, 0o777)
+        self.marker = os.path.join(self.ww, "pwned")
+        self.old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = self.ww  # the kernels started from here inherit it
+        self.evil = as_other(_plant_session, self.ww, self.name, self.marker)
+        assert isinstance(self.evil, str), self.evil
+        self.stop_event = threading.Event()
+        self.uid = OTHER_UID
+        return self
+
+    def start(self, ours: str) -> None:
+        import threading
+
+        from other_user import as_other
+
+        def race():
+            while not self.stop_event.is_set():
+                as_other(_swap_link, self.ww, ours, self.evil, 1000, timeout=120)
+
+        self.thread = threading.Thread(target=race, daemon=True)
+        self.thread.start()
+
+    def check(self, ours: str) -> None:
+        assert not os.path.exists(self.marker), "the planted pickle ran"
+        assert not ours.startswith(self.ww) and os.stat(ours).st_uid == os.geteuid()
+        planted = sorted(os.listdir(self.evil))
+        assert planted == ["keep.json", "plan.pickle"], planted  # nothing written there
+        assert b"hunter2" not in b"".join(
+            open(os.path.join(self.evil, f), "rb").read() for f in planted
+        )
+
+    def __exit__(self, *exc):
+        import shutil
+
+        self.stop_event.set()
+        if getattr(self, "thread", None) is not None:
+            self.thread.join(150)
+        if self.old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = self.old
+        shutil.rmtree(self.ww, ignore_errors=True)
+
+
+def _plant_session(ww: str, name: str, marker: str) -> str:
+    import json
+
+    from infini_notebook.launch.watchdog import FOLDER_PREFIX
+
+    evil = os.path.join(ww, f"{FOLDER_PREFIX}evil")
+    os.mkdir(evil, 0o777)
+    with open(os.path.join(evil, "keep.json"), "w") as f:
+        json.dump({"name": name, "watchdog": [1, 0.0], "created": 1.0, "keep_s": 60}, f)
+    with open(os.path.join(evil, "plan.pickle"), "wb") as f:
+        f.write(b"cos\nsystem\n(S'touch " + marker.encode() + b"'\ntR.")
+    for kind in ("fifo", "zero"):
+        other = os.path.join(ww, f"{FOLDER_PREFIX}{kind}")
+        os.mkdir(other, 0o777)
+        if kind == "fifo":
+            os.mkfifo(os.path.join(other, "keep.json"), 0o666)
+        else:
+            os.symlink("/dev/zero", os.path.join(other, "keep.json"))
+    return evil
+
+
+def _swap_link(ww: str, ours: str, theirs: str, rounds: int) -> int:
+    from infini_notebook.launch.watchdog import FOLDER_PREFIX
+
+    link = os.path.join(ww, f"{FOLDER_PREFIX}swap")
+    for i in range(rounds):
+        os.symlink(ours if i % 2 else theirs, f"{link}.tmp")
+        os.replace(f"{link}.tmp", link)
+    return rounds
