@@ -156,10 +156,10 @@ def states(k) -> list[str]:
 # host can read it in ``ls /tmp`` and ``ps``).
 KNOWN_FOLDER = """\
 import os, types, infini_notebook.launch.folder as _folder
-def _known(prefix):
+def _known():
     os.mkdir({path!r}, 0o700)
     return {path!r}
-_folder.tempfile = types.SimpleNamespace(mkdtemp=_known)
+_folder.private_place = types.SimpleNamespace(new_session_folder=_known)
 """
 # What uid 65534 leaves at that path on a host, before the session starts.
 PLANT = (

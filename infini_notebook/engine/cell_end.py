@@ -36,8 +36,9 @@ import time
 _lock = threading.Lock()
 # why: the release of the running cell; started_ns: when it started (time.time_ns(), the
 # Flight Recorder's clock: a wait is numbered within the cell by it); armed: a
-# release's exception was set for the cell's thread (raised by now, or still to fire)
-_state: dict = {"in_cell": False, "why": None, "started_ns": None, "armed": False}
+# release's exception was set for the cell's thread (raised by now, or still to fire);
+# last: the cell that ended last (see last_cell)
+_state: dict = {"in_cell": False, "why": None, "started_ns": None, "armed": False, "last": None}
 _watchers: list = []  # called with "start" as a cell's code starts, "end" once it ended
 
 
@@ -81,6 +82,9 @@ def install(shell) -> None:
             if result.success:
                 shell.showtraceback((type(error), error, None), exception_only=True)
                 result.error_in_exec = error
+        with _lock:
+            if _state["last"] is not None:
+                _state["last"]["ok"] = bool(result.success)
         return result
 
     run_cell_async.infini_cell_end = True
@@ -120,6 +124,7 @@ def finish(succeeded: bool) -> BaseException | None:
         try:
             with _lock:
                 _state["in_cell"] = False  # from here on no release raises into the thread
+                _state["last"] = _ended()
                 why, _state["why"] = _state["why"], None
                 armed, _state["armed"] = _state["armed"], False
             if armed:
@@ -147,6 +152,23 @@ def running_cell() -> dict | None:
         if not _state["in_cell"]:
             return None
         return {k: _state.get(k) for k in ("number", "since", "msg_id")}
+
+
+def _ended() -> dict:
+    """The cell that just ended, as ``last_cell`` gives it: ``ok`` None until the wrapper
+    knows (the cell's own error, or one ``finish`` raised)."""
+    return dict(
+        {k: _state.get(k) for k in ("number", "since", "msg_id")}, ended=time.time(), ok=None
+    )
+
+
+def last_cell() -> dict | None:
+    """The last cell that ended on this rank: its notebook number, since when, its
+    request's id, when it ended and whether it succeeded (None: not known yet). A kernel
+    attaching a kept session names the cell that ended while none was attached."""
+    with _lock:
+        last = _state.get("last")
+        return dict(last) if last else None
 
 
 def started_ns() -> int | None:

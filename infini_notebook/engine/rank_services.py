@@ -88,9 +88,9 @@ def answer(question: str, scratch) -> str:
     if question == "wait":
         return json.dumps(wait_probe.current_wait(cell_end.started_ns()))
     if question == "info":  # a kernel attaching a kept session (see launch/keep.py)
-        return json.dumps(
-            dict(_described, attempt=_attempt[0] if _attempt else 0, cell=cell_end.running_cell())
-        )
+        attempt = _attempt[0] if _attempt else 0
+        cell, last = cell_end.running_cell(), cell_end.last_cell()
+        return json.dumps(dict(_described, attempt=attempt, cell=cell, last=last))
     if question == "links":
         return json.dumps(wait_probe.tcp_links())
     if question.startswith("close "):

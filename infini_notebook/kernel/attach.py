@@ -22,7 +22,8 @@ INFO_WAIT_S = 3.0  # for every rank's answer (a busy machine; dead ranks never a
 
 def take_over(s, force: bool = False) -> str:
     """Make ``s`` (a Session over a kept session's connection data) drive it; the line
-    that says what was taken over."""
+    that says what was taken over, and under it the last lines a cell that ended while no
+    kernel was attached printed."""
     kept = s.keeper.kept
     took = s.keeper.claim(force)
     try:
@@ -49,9 +50,13 @@ def take_over(s, force: bool = False) -> str:
         ) from None
     running = {r: i["cell"] for r, i in infos.items() if i.get("cell")}
     s.book.add_stuck(running)  # until their engines' queues drain (see supervision)
-    s.left_output = LeftOutput(s.folder.file("output"), running)
-    left_output.follow(s)  # what they printed while no kernel was attached
-    return attach_line(s, took, sorted(set(range(s.world_size)) - set(infos)), running)
+    ended = left_output.unseen(s, infos)  # cells that ended while no kernel was attached
+    s.left_output = LeftOutput(s.folder.file("output"), running, ended, len(infos) == world)
+    left = left_output.follow(s)  # what they printed while no kernel was attached; the
+    # cells that ended on every rank they ran on
+    ended_parts, shown = left_output.ended_text(s, left)
+    dead = sorted(set(range(s.world_size)) - set(infos))
+    return "\n".join([attach_line(s, took, dead, running, ended_parts), *shown])
 
 
 def interrupt_left(s, ranks=None) -> list[int]:
@@ -68,7 +73,11 @@ def interrupt_left(s, ranks=None) -> list[int]:
     return targets
 
 
-def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
+def attach_line(
+    s, took: str, dead: list[int], running: dict[int, dict], ended: list[str] = ()
+) -> str:
+    """What was attached, ranks that died while detached, the cell that still runs, and
+    ``ended``: what each cell that ended unseen did (see left_output.ended_text)."""
     plan, kept = s.plan, s.keeper.kept
     where = f"{plan.backend}, GPUs {','.join(plan.gpus)}" if plan.gpus else plan.backend
     age = format_duration(time.time() - kept.data.get("started", kept.created))
@@ -85,6 +94,7 @@ def attach_line(s, took: str, dead: list[int], running: dict[int, dict]) -> str:
             f"(%dist_stacks, %dist_interrupt; all its output so far, and more as it comes: "
             f"{out})"
         )
+    parts += ended
     if s.reloader.on:  # kept with the session (see autoreload.py)
         parts.append("autoreload on (%dist_autoreload)")
     return "; ".join(parts) + "."

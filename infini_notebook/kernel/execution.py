@@ -22,7 +22,7 @@ from ..core.output import (
 from ..core.plan import soft_restart_fails
 from ..core.ranks import parse_ranks, parse_where, rank_label
 from ..core.state import CellResult
-from . import recovery, supervision
+from . import left_output, recovery, supervision
 from .cell import Cell
 from .output_files import OutputFiles
 from .watch import CellWatch
@@ -104,11 +104,17 @@ def refuse_stuck(s, targets: list[int]) -> None:
     """A rank still running an earlier cell (one that ignored an interrupt, or a wait that
     could not be released) would queue this one behind it, and ipykernel then aborts it."""
     busy = sorted(supervision.still_stuck(s) & set(targets))
-    if busy:
-        raise DistUsageError(
-            f"{rank_label(busy)[1:-1]} still running an earlier cell (stuck in native code; "
-            "see %dist_stacks). Wait for the collective timeout, or run %dist_restart --hard."
-        )
+    if not busy:
+        return
+    left, covered = left_output.still_running(s, busy)  # an earlier kernel's (kept session)
+    native = [r for r in busy if r not in covered]
+    if left and not native:
+        raise DistUsageError(f"{left}.")
+    raise DistUsageError(
+        (f"{left}; " if left else "")
+        + f"{rank_label(native)[1:-1]} still running an earlier cell (stuck in native code; "
+        "see %dist_stacks). Wait for the collective timeout, or run %dist_restart --hard."
+    )
 
 
 def cell_name() -> str:
