@@ -10,7 +10,7 @@ from .errors import DistUsageError
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def parse_duration(text: str) -> float:
@@ -34,7 +34,7 @@ def format_duration(seconds: float) -> str:
 
 def check_name(name: str) -> str:
     """A session name: letters, digits, ``_ . -``, at most 64, not starting with a sign."""
-    if not _NAME.match(name or ""):
+    if not _NAME.fullmatch(name or ""):  # no trailing newline, no "/": a file name
         raise DistUsageError(
             f"--name {name!r} cannot name a session: use letters, digits, '_', '.' and '-' "
             "(at most 64), starting with a letter or digit."

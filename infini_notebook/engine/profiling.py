@@ -89,17 +89,24 @@ def stop(max_bytes: int, rank: int = 0) -> dict:
     calls = _disarm()
     prof = _state.pop("prof")
     prof.stop()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
+    # In a new 0700 folder of ours, not beside other users' files: kineto writes
+    # "<path>.tmp" by name, following links, then renames it onto path (a link planted
+    # at that predictable name in /tmp had a rank overwrite any file of its user's).
+    folder = tempfile.mkdtemp(prefix="infini-notebook-trace-")
+    dir_fd = own_files.open_folder(folder)
     try:
-        prof.export_chrome_trace(path)
-        size = os.path.getsize(path)
-        if size > max_bytes:
-            return {"too_big": size}
-        with open(path) as f:
+        prof.export_chrome_trace(os.path.join(f"/proc/self/fd/{dir_fd}", "trace.json"))
+        fd = os.open("trace.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                return {"too_big": size}
             text = f.read()
     finally:
-        os.remove(path)
+        for name in os.listdir(dir_fd):
+            os.unlink(name, dir_fd=dir_fd)
+        os.close(dir_fd)
+        os.rmdir(folder)
     entries, lost = _recorded_since(_state["first_id"])
     groups = _group_ranks()
     with _no_gc():

@@ -314,7 +314,7 @@ def own_process(profile_dir: str, pid: int) -> psutil.Process | None:
     process here, which must never be signalled."""
     try:
         proc = psutil.Process(pid)
-        if proc.environ().get(MARK) == profile_dir:
+        if proc.uids().real == os.geteuid() and proc.environ().get(MARK) == profile_dir:
             return proc
     except psutil.Error:  # gone, or another user's: not ours
         pass

@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from ..core.errors import DistUsageError
-from ..core.keep import format_duration, lease_verdict
+from ..core.keep import check_name, format_duration, lease_verdict
 from ..core.plan import plan_from_json, plan_to_json
 from ..engine import own_files
 from . import private_place
@@ -50,6 +50,8 @@ from .watchdog import (
     remove_shared_files,
     same_process,
     session_processes,
+    wait_gone,
+    wake,
 )
 
 CONNECTION = "keep.json"
@@ -94,6 +96,7 @@ class Keeper:
         self.plan, self.folder = plan, folder
         self.kept = kept  # connection data: written at start, or read at attach
         self._lost: str | None = None  # why this kernel no longer drives the session
+        self._gone: str | None = None  # ... and in a few words, for a frozen %dist_status
 
     @property
     def keeps(self) -> bool:
@@ -193,6 +196,23 @@ class Keeper:
         """An attach that failed: the session waits for a kernel again (its keep time)."""
         self._write_lease(holder=None)
 
+    def detach(self) -> None:
+        """This kernel lets the session go and keeps it (%dist_detach): the lease names no
+        holder, so its watchdog counts the keep time from now (woken to write ``detached``
+        at once) and any kernel of this user attaches it without --force."""
+        self.require_held()
+        self._write_lease(holder=None, detached_by=me()[0])
+        when = time.strftime("%H:%M:%S")
+        self._gone = f"{self.name!r} detached from this kernel at {when}"
+        self._lost = (
+            f"This kernel detached session {self.name!r} at {when}: it waits for a kernel "
+            f"(%dist_attach {self.name} takes it back; %dist_stop {self.name} ends it)."
+        )
+        try:
+            wake(self.folder.guard())
+        except psutil.Error:  # no watchdog: nothing to wake
+            pass
+
     def driven(self) -> bool:
         """Whether this kernel still drives the session (an ordinary one: always)."""
         return not self.keeps or (self._lost is None and self._still_mine())
@@ -210,6 +230,8 @@ class Keeper:
         self.folder.reap_watchdog()  # ours, ended by %dist_stop NAME: no zombie left
         if lease.get("end") or not os.path.isdir(self.folder.path):
             self._lost = f"Session {self.name!r} was stopped from another kernel."
+            when = time.strftime("%H:%M:%S", time.localtime(lease.get("ended") or time.time()))
+            self._gone = f"{self.name!r} stopped from another kernel at {when}"
         else:
             when = time.strftime("%H:%M:%S", time.localtime(lease.get("since") or 0))
             who = f"kernel pid {holder[0]}" if holder else "another kernel"
@@ -217,6 +239,7 @@ class Keeper:
                 f"This kernel no longer drives session {self.name!r}: {who} took it over at "
                 f"{when}. Attach again with %dist_attach {self.name} --force."
             )
+            self._gone = f"{self.name!r} driven by {who} since {when}"
         return False
 
     # ----- the cells run so far (for %dist_export from any kernel that drove it) -------------
@@ -259,6 +282,13 @@ class Keeper:
     def lost(self) -> str | None:
         """Why this kernel no longer drives the session, once it does not."""
         return self._lost
+
+    @property
+    def gone(self) -> str | None:
+        """Once this kernel no longer drives the session, who does and since when, in a few
+        words ("'train' driven by kernel pid 4242 since 17:27:50"; or stopped from
+        another kernel, or detached from this one): what a live %dist_status freezes with."""
+        return self._gone
 
 
 # ----- finding kept sessions ------------------------------------------------------------------
@@ -392,7 +422,7 @@ def _drop(name: str, entry: dict) -> None:
 
 def find(name: str) -> Kept:
     """The kept session ``name``; DistUsageError naming what exists otherwise."""
-    entry = private_place.read_entry(name)
+    entry = private_place.read_entry(check_name(name))  # a file name in kept/, nothing else
     kept = _load(name, entry)
     if isinstance(kept, Kept):
         return kept
@@ -440,21 +470,41 @@ def release_name(name: str) -> None:
 
 
 def stop(name: str, timeout: float = 30.0) -> None:
-    """End a kept session without attaching: its lease says ``end``; its watchdog ends
-    every process and removes the folder. Waits until it has."""
+    """End a kept session without attaching, as the kernel that drives it would: its lease
+    says ``end`` first (a kernel that drives it sees it stopped and lets it go, its watchdog
+    that it ends), then every process of it gets SIGKILL from here, the store host last (a
+    kernel that drives it may be asking it this very moment); its watchdog, woken, finds
+    nothing left, removes the folder and the entry, and exits. Waits for that by its exit
+    (pidfd), not by polls: 5-6 s at 4 ranks, when the watchdog ended everything on its own
+    poll, with SIGTERM and a grace."""
     kept = find(name)
     lease = read_json(os.path.join(kept.workdir, LEASE)) or {}
-    write_private(os.path.join(kept.workdir, LEASE), json.dumps(dict(lease, end=True)).encode())
-    # Not psutil's wait: a watchdog is the child of the kernel that started the session,
-    # and while that kernel lives an ended one stays a zombie until it is reaped.
-    deadline = time.monotonic() + timeout
-    while same_process(kept.watchdog.pid, kept.watchdog.create_time()) is not None:
-        if time.monotonic() > deadline:
-            raise DistUsageError(
-                f"Session {name!r} did not end within {timeout:.0f}s; its watchdog is pid "
-                f"{kept.watchdog.pid}."
-            )
-        time.sleep(0.1)
+    ended = dict(lease, end=True, ended=time.time())
+    write_private(os.path.join(kept.workdir, LEASE), json.dumps(ended).encode())
+    end_processes(os.path.join(kept.workdir, "profile"), kept.created)
+    wake(kept.watchdog)
+    if wait_gone([kept.watchdog], timeout):
+        raise DistUsageError(
+            f"Session {name!r} did not end within {timeout:.0f}s; its watchdog is pid "
+            f"{kept.watchdog.pid}."
+        )
+
+
+def end_processes(profile_dir: str, created: float) -> None:
+    """SIGKILL every process of the session marked ``profile_dir`` (engines, nannies,
+    controller, template) at once and wait for their exits, then its store host: ranks
+    that lost the store before they died would print c10d's warnings for nothing."""
+    procs = session_processes(profile_dir, created)
+    store = [p for p in procs if _is_store_host(p)]
+    end_all([p for p in procs if p not in store], grace=0)
+    end_all(store, grace=0)
+
+
+def _is_store_host(proc: psutil.Process) -> bool:
+    try:
+        return "infini_notebook.launch.store_host" in proc.cmdline()
+    except psutil.Error:
+        return False
 
 
 def describe(kept: Kept, now: float | None = None) -> dict:

@@ -83,11 +83,25 @@ def _make(path: str) -> str | None:
     if problem:
         return problem
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # each missing folder made 0700 (not with the umask's mode), then the whole way
+        # checked again: a folder above could have been made by someone else meanwhile
+        missing = []
+        step = os.path.dirname(path)
+        while not os.path.lexists(step):
+            missing.append(step)
+            step = os.path.dirname(step)
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
+        problem = untrusted_ancestor(os.path.dirname(path))
+        if problem:
+            return problem
         os.close(own_files.open_folder(path))
     except own_files.NotOurs as e:
         return str(e)

@@ -21,6 +21,7 @@ it works while the controller or the store hang.
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import sys
 import time
@@ -30,6 +31,10 @@ import psutil
 POLL_S = 0.5
 GRACE_S = 3.0
 MARK = "IPP_PROFILE_DIR"
+# A kernel that wrote the lease (%dist_stop NAME, %dist_detach) wakes the watchdog with it to
+# read it at once, not at its next poll. Ignored by default: one sent before the watchdog
+# blocks it (to wait for it) ends nothing.
+WAKE = signal.SIGURG
 
 
 def same_process(pid: int, start: float) -> psutil.Process | None:
@@ -50,10 +55,13 @@ def parse(arg: str) -> tuple[int, float]:
 def session_processes(profile_dir: str, since: float = 0.0) -> list[psutil.Process]:
     """Live processes marked with this session's profile folder, started after ``since``."""
     found = []
-    for proc in psutil.process_iter(["create_time"]):
+    me = os.geteuid()
+    for proc in psutil.process_iter(["create_time", "uids"]):
         try:
             if (proc.info["create_time"] or 0) < since - 1.0:
                 continue
+            if proc.info["uids"] is None or proc.info["uids"].real != me:
+                continue  # another user's: never ours, whatever its environment says
             if proc.environ().get(MARK) == profile_dir and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except psutil.Error:  # gone, or another user's
@@ -69,13 +77,76 @@ def end_all(procs: list[psutil.Process], grace: float = GRACE_S) -> None:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = wait_gone(procs, grace)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=GRACE_S)
+    wait_gone(alive, GRACE_S)
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each of ``procs`` has exited; those still running after ``timeout``. One
+    that exited counts at once, whoever reaps it: a kept session's store host, template and
+    watchdog are children of the kernel that started it, which may live on without reaping
+    them (psutil's ``wait_procs`` waited out its whole timeout for each such zombie: 5 s of
+    a 6 s stop), or of a PID 1 that never reaps. Woken by each one's pidfd (readable once
+    it exits), not a poll; the children of this process among them are reaped."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    watched: dict[int, psutil.Process] = {}  # pidfd -> its process
+    polled: list[psutil.Process] = []  # no pidfd here (an old kernel): asked every 10 ms
+    for proc in procs:
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # gone already (ESRCH), or no pidfds here
+            fd = None
+        # After the open: a pidfd names the process that had the pid then, and psutil
+        # checks the start time, so a pid reused meanwhile is never waited for.
+        if not _running(proc):
+            if fd is not None:
+                os.close(fd)
+            _reap(proc)
+        elif fd is None:
+            polled.append(proc)
+        else:
+            watched[fd] = proc
+    poller = select.poll()
+    for fd in watched:
+        poller.register(fd, select.POLLIN)
+    try:
+        while watched or polled:
+            left = deadline - time.monotonic()
+            wait = min(left, 0.01) if polled else left
+            for fd, _ in poller.poll(max(0, int(wait * 1000))):
+                poller.unregister(fd)
+                os.close(fd)
+                _reap(watched.pop(fd))
+            polled = [p for p in polled if _running(p) or _reap(p)]
+            if left <= 0:
+                break
+    finally:
+        for fd in watched:
+            os.close(fd)
+    return list(watched.values()) + polled
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap(proc: psutil.Process) -> bool:
+    """Collect the exit status of an ended child of ours (nothing for another's). False."""
+    try:
+        proc.wait(0)
+    except (psutil.Error, psutil.TimeoutExpired):
+        pass
+    return False
 
 
 FOLDER_PREFIX = "infini-notebook-"  # the session's folder (tempfile.mkdtemp's prefix)
@@ -166,7 +237,24 @@ def wait_for_the_end(kernel: tuple[int, float], folder: str) -> None:
                 _write_detached(folder, detached_since)
             if lease_verdict(lease, alive, detached_since, time.time()) == "end":
                 return
-        time.sleep(POLL_S)
+        _nap(POLL_S)
+
+
+def _nap(seconds: float) -> None:
+    """Sleep ``seconds``, less when woken (WAKE, blocked by main to be waited for here)."""
+    if WAKE in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        signal.sigtimedwait([WAKE], seconds)
+    else:
+        time.sleep(seconds)
+
+
+def wake(watchdog: psutil.Process) -> None:
+    """Have a session's watchdog read its lease now (see WAKE). psutil refuses a pid that
+    was reused since the Process object was made."""
+    try:
+        watchdog.send_signal(WAKE)
+    except psutil.Error:
+        pass
 
 
 def _write_detached(folder: str, since: float | None) -> None:
@@ -183,6 +271,7 @@ def _write_detached(folder: str, since: float | None) -> None:
 
 
 def main(argv: list[str]) -> int:
+    signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE])  # waited for in _nap
     kernel, profile_dir, since = parse(argv[0]), argv[1], float(argv[2])
     wait_for_the_end(kernel, os.path.dirname(profile_dir))
     # Twice: a launcher caught halfway may still start a process as the first round ends.
