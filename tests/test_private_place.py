@@ -307,12 +307,12 @@ def test_the_template_socket_is_checked_before_any_request(tmp_path):
 def test_the_place_is_made_0700_all_the_way_whatever_the_umask(tmp_path, monkeypatch):
     """With a group-writable umask (002, a common default) the folders made on the way were
     0775, and every later use of the place was refused as writable by others."""
-    monkeypatch.setenv(private_place.ENV, str(tmp_path / "a" / "b" / "place"))
+    monkeypatch.setenv(private_place.ENV, str(tmp_path / "a" / "b" / "p"))
     old = os.umask(0o002)
     try:
         first = private_place.place()
         assert private_place.place() == first  # and again
     finally:
         os.umask(old)
-    for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "place"):
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "p"):
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
