@@ -21,7 +21,7 @@ from .core.rankbook import RankBook
 from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .kernel import attach as attach_kept
-from .kernel import diff, execution, post_mortem, recovery, supervision, transfer
+from .kernel import diff, execution, left_output, post_mortem, recovery, supervision, transfer
 from .kernel import profile as cell_profile
 from .kernel.autoreload import AutoReload
 from .kernel.background import BackgroundCell
@@ -44,7 +44,23 @@ _current: Session | None = None
 def current() -> Session | None:
     """The running session, if any."""
     session = _current
-    return session if session is not None and session.running and session.keeper.driven() else None
+    return session if session is not None and session.running and session.driven() else None
+
+
+def _runs_already(session: Session) -> str:
+    """Why a start or an attach is refused while ``session`` runs in this kernel: for a kept
+    one, both ways to free the kernel (let it go and keep it, or end it)."""
+    if session.keeper.keeps:
+        name = session.keeper.name
+        return (
+            f"Kept session {name!r} ({session.world_size} ranks) is attached to this kernel. "
+            f"%dist_detach lets it go and keeps it (%dist_attach {name} takes it back); "
+            "%dist_stop ends it for good."
+        )
+    return (
+        f"A session with {session.world_size} ranks is already running. "
+        "Stop it first with %dist_stop (or session.stop())."
+    )
 
 
 def start(
@@ -56,10 +72,7 @@ def start(
     come up and ranks initialise."""
     global _current
     if current() is not None:
-        raise DistUsageError(
-            f"A session with {_current.plan.world_size} ranks is already running. "
-            "Stop it first with %dist_stop (or session.stop())."
-        )
+        raise DistUsageError(_runs_already(_current))
     plan = plan_from_options(options, **keywords)
     if plan.keep_s:
         keep.claim_name(plan.name)  # atomically, before anything starts
@@ -81,7 +94,7 @@ def attach(name: str, force: bool = False) -> tuple[Session, str]:
     this kernel; the session and the line that says what was taken over (see attach.py)."""
     global _current
     if current() is not None:
-        raise DistUsageError("A session runs in this kernel already: %dist_stop it first.")
+        raise DistUsageError(_runs_already(_current))
     kept = keep.find(name)
     session = Session(kept.plan, kept=kept)
     line = attach_kept.take_over(session, force)
@@ -175,8 +188,12 @@ class Session:
         return ParallelLayout(**self.plan.layout)
 
     def stop(self) -> None:
-        """End everything this session started: engines, controller, store. Idempotent."""
+        """End everything this session started: engines, controller, store. Idempotent. A
+        kept session that another kernel drives now (or stopped, or that this kernel
+        detached) is only let go: nothing of it is ended from here."""
         global _current
+        if self.running and not self.driven():
+            return
         self.running = False
         remote_folders = startup.remote_folder_removers(self.engines)  # before the engines go
         self.engines.stop_all()
@@ -193,6 +210,67 @@ class Session:
         except Exception:
             pass
 
+    def detach(self) -> str:
+        """Let this kernel's kept session go and keep it (%dist_detach): its ranks, variables
+        and groups stay; its --keep time starts counting (%dist_sessions: "detached, ends
+        in ..."), and %dist_attach NAME from any kernel of this user takes it back without
+        --force. This kernel's own connections to it close; no process of it ends. The line
+        that says so. An ordinary session cannot be detached (it ends with its kernel)."""
+        from .core.keep import format_duration
+
+        if not self.running:
+            raise DistUsageError(
+                self.keeper.lost or "No session is running. Start one with %dist_start."
+            )
+        if not self.keeper.keeps:
+            raise DistUsageError(
+                "This session is not kept (started without --name NAME --keep 30m), so it "
+                "cannot be detached: it ends with its kernel. %dist_stop ends it now."
+            )
+        self.background.refuse("%dist_detach")
+        self.keeper.detach()
+        self._let_go()
+        name = self.keeper.name
+        return (
+            f"Detached session {name!r}: it waits {format_duration(self.plan.keep_s)} for a "
+            f"kernel to attach it (%dist_attach {name}); %dist_stop {name} ends it."
+        )
+
+    def driven(self) -> bool:
+        """Whether this kernel drives the session (an ordinary one: always). A kept one that
+        another kernel attached, or stopped, is let go as soon as that is seen: see
+        ``_let_go``."""
+        if self.keeper.driven():
+            return True
+        self._let_go()
+        return False
+
+    def gone_line(self) -> str | None:
+        """None while this kernel drives its session; once it does not, who drives it and
+        since when, in a few words (or that it was stopped from another kernel, or detached
+        from this one): the line a live %dist_status freezes with. Asking reads the lease,
+        never the store."""
+        if self.running and self.keeper.keeps:
+            self.driven()
+        return self.keeper.gone
+
+    def _let_go(self) -> None:
+        """Close this kernel's own connections to a kept session it no longer drives, and
+        end none of its processes: the controller's client (which also heard every engine's
+        output) and its loop, and the store's client. A live %dist_status that went on
+        asking a store another kernel had stopped printed c10d's "sendBytes failed ...
+        Broken pipe" into the notebook twice a second. Idempotent. Not while a cell this
+        kernel sent still runs: its replies and output come here, as before the takeover,
+        and the cell ends as it would have; the check after it (IPython's post_run_cell)
+        lets go."""
+        if not self.running or self.book.busy():
+            return
+        self.running = False
+        self.engines.client.close()
+        self.engines.client.stop_loop()
+        self.rendezvous.let_go()
+        self.folder.reap_watchdog()  # ours, ended by %dist_stop NAME: no zombie left
+
     # ----- recovery -----------------------------------------------------------------------
     def restart(
         self, hard: bool = False, progress: Progress | None = None, after_failure: bool = False
@@ -204,6 +282,7 @@ class Session:
         rebuild after a failed cell (the status then says so)."""
         if self.engines.client.cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
+        self.keeper.require_held()  # a kept session another kernel drives now: not ours
         # A hard restart may end a background cell that was told to stop and did not.
         self.background.refuse("%dist_restart", unless_interrupted=hard)
         self.rendezvous.next_attempt()
@@ -394,17 +473,26 @@ class Session:
     # ----- state --------------------------------------------------------------------------
     def status(self) -> list[RankState]:
         """Each rank's pid, device, state (idle, busy, failed, released, died, stuck,
-        stopped) and note."""
+        stopped) and note. A kept session this kernel no longer drives: the rows as last
+        seen (the ranks are asked nothing: they are another kernel's, or gone)."""
+        if self.gone_line() is not None:
+            return self.book.rows
         return supervision.status(self)
 
     def session_line(self, states: list[RankState] | None = None) -> str:
         """The session in a line: 'ready', 'rebuilt after a failure on rank 1, variables
         kept', 'needs %dist_restart --hard: rank 2 died' (from ``states``, a status())."""
         if not self.running:
-            return "stopped"
+            return self.keeper.gone or "stopped"
         states = self.status() if states is None else states
         died = [rs.rank for rs in states if rs.state == "died"]
-        return self.book.session_line(died, [rs.rank for rs in states if rs.state == "stuck"])
+        stuck = [rs.rank for rs in states if rs.state == "stuck"]
+        left, covered = left_output.still_running(self, stuck)  # an earlier kernel's cell
+        native = [r for r in stuck if r not in covered]
+        line = self.book.session_line(died, native)
+        if not left:
+            return line
+        return f"{line}; {left}" if died or native or self.book.broken() else left
 
     def require_whole(self) -> None:
         """DistUsageError, one line, while the process groups are not whole (a rebuild
@@ -439,6 +527,8 @@ class Session:
     def require_running(self) -> None:
         """DistUsageError unless the session runs and its controller answers."""
         if not self.running:
-            raise DistUsageError("No session is running. Start one with %dist_start --nprocs 4.")
+            raise DistUsageError(
+                self.keeper.lost or "No session is running. Start one with %dist_start --nprocs 4."
+            )
         self.keeper.require_held()  # another kernel may have attached a kept session
         self.engines.client.require_controller()

@@ -1,6 +1,6 @@
 """The magics of kept sessions (``%dist_start --name NAME --keep 30m``): %dist_attach takes
-one over from a new kernel, %dist_sessions lists this user's. %dist_stop NAME (in magics.py)
-ends one without attaching. See launch/keep.py."""
+one over from a new kernel, %dist_detach lets it go and keeps it, %dist_sessions lists this
+user's. %dist_stop NAME (in magics.py) ends one without attaching. See launch/keep.py."""
 
 from __future__ import annotations
 
@@ -33,6 +33,24 @@ class KeepMagics(Magics):
         args = parse_argstring(self.dist_attach, line)
         session, said = cluster.attach(args.name, force=args.force)
         self.shell.user_ns["dist_session"] = session
+        print(said)
+
+    @magic_arguments()
+    @line_magic
+    def dist_detach(self, line: str):
+        """Let this kernel's kept session go and keep it: its ranks keep their variables,
+        groups and mesh, and its --keep time starts counting (%dist_sessions shows
+        "detached, ends in 9m 58s"); %dist_attach NAME from any kernel of yours takes it
+        back, without --force. This kernel closes its own connections to it and ends none
+        of its processes; it can start or attach another session. An ordinary session
+        cannot be detached (it ends with its kernel): %dist_stop ends it.
+        Example: %dist_detach
+        """
+        parse_argstring(self.dist_detach, line)
+        from .magics import _session
+
+        said = _session().detach()
+        self.shell.user_ns.pop("dist_session", None)
         print(said)
 
     @line_magic

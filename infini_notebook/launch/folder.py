@@ -15,7 +15,7 @@ import psutil
 
 from ..engine import shm_transport
 from . import launchers, private_place
-from .watchdog import remove_session_folder, remove_shared_files
+from .watchdog import remove_session_folder, remove_shared_files, wait_gone
 
 
 class SessionFolder:
@@ -121,10 +121,15 @@ def _running(watchdog) -> bool:
 
 
 def stop_watchdog(watchdog) -> None:
-    """End a watchdog that is no longer needed (a Popen, or a kept session's psutil.Process)."""
+    """End a watchdog that is no longer needed (a Popen, or a kept session's psutil.Process:
+    the child of the kernel that started the session, maybe alive and not reaping it, so
+    waited for by its exit, not by psutil's wait: see wait_gone)."""
     if _running(watchdog):
         try:
             watchdog.terminate()
-            watchdog.wait(5)
+            if isinstance(watchdog, subprocess.Popen):
+                watchdog.wait(5)
+            else:
+                wait_gone([watchdog], 5)
         except (psutil.Error, subprocess.TimeoutExpired):
             pass

@@ -146,6 +146,12 @@ class Rendezvous:
             except OSError:
                 pass
 
+    def let_go(self) -> None:
+        """Drop this kernel's client of a kept session's store, which another kernel drives
+        now (or stopped): nothing from here asks it again. The store and its keys stay."""
+        self._keys = None
+        self._server = None
+
     # ----- the side channel ---------------------------------------------------------------
     def ask(self, ranks: list[int], question: str | dict[int, str], wait: float) -> dict[int, str]:
         """Ask each rank's answering thread (rank_services) through the store (one question

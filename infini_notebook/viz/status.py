@@ -37,6 +37,10 @@ class StatusSource(Protocol):
 
     def spare_engines(self) -> int: ...  # optional: engines kept for the next hard restart
 
+    # optional: who drives a kept session this kernel no longer drives (or that it was
+    # stopped or detached), else None
+    def gone_line(self) -> str | None: ...
+
 
 class StatusWidget(widgets.VBox):
     """Live rank tiles for a session: a daemon thread polls ``session.status()`` every
@@ -49,6 +53,7 @@ class StatusWidget(widgets.VBox):
         self.layout_ = _session_layout(session)
         self.states: list[str] = []
         self.title = ""  # the summary line it shows
+        self.as_of = ""  # when the tiles were last brought up to date
         self._busy_since: dict[int, float] = {}  # rank -> when this widget first saw it busy
         self.summary = widgets.HTML()
         self.tiles = [widgets.HTML() for _ in range(session.world_size)]
@@ -79,6 +84,7 @@ class StatusWidget(widgets.VBox):
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
             tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
         self._show_title(status_summary(states, *_helpers(self.session, states)))
+        self.as_of = time.strftime("%H:%M:%S")
         # Last: whoever waits on ``states`` then finds the tiles and summary of this poll
         # (set first, they once showed a poll behind the states).
         self.states = [rs.state for rs in states]
@@ -110,6 +116,12 @@ class StatusWidget(widgets.VBox):
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
+            # First, and asking nothing of the ranks or the store: a kept session another
+            # kernel drives now (or stopped) freezes with one line, told once.
+            gone = _gone(self.session)
+            if gone is not None:
+                self._show_title(f"session {gone} · tiles as of {self.as_of}")
+                return
             running = self.session.running  # before the poll: a stop during it is seen next
             try:
                 self.refresh()
@@ -150,6 +162,15 @@ def _helpers(session: StatusSource, states: list[RankState]) -> tuple[int | None
         spares() if spares is not None else 0,
         line(states) if line is not None else "",
     )
+
+
+def _gone(session: StatusSource) -> str | None:
+    """Where the session tells it: the line of a kept session this kernel no longer drives."""
+    line = getattr(session, "gone_line", None)
+    try:
+        return line() if line is not None else None
+    except Exception:  # a poll must never kill the kernel's display; asked again next poll
+        return None
 
 
 def _session_layout(session: StatusSource) -> ParallelLayout | None:
