@@ -244,9 +244,7 @@ def test_planted_sessions_links_and_fifos_in_tmp_are_never_seen(place, shared_fo
         evil = as_other(_plant, str(ww), marker)
         assert isinstance(evil, str), evil
         folder = _fake_session(place, "train", _me())
-        racing = threading.Thread(
-            target=as_other, args=(_swap_links, str(ww), folder, evil, 1000)
-        )
+        racing = threading.Thread(target=as_other, args=(_swap_links, str(ww), folder, evil, 1000))
         racing.start()
         t0 = time.monotonic()
         while racing.is_alive():
