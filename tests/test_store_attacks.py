@@ -48,15 +48,16 @@ while time.time() < deadline:
             print("planted", flush=True)
             break
     else:  # a release, or a stack request, to rank 0's answering thread
-        counts = [k for k in keys() if k.endswith("/infini/stacks/0/count")]
+        roots = [k.split("/infini/")[0] for k in keys() if "/infini/" in k]
         attempts = [int(m) for k in keys() for m in re.findall(r"attempt_(\d+)-", k)]
-        if counts and attempts:
-            n = store.add(counts[0], 0) + 1
-            ask = counts[0].replace("/count", f"/ask/{n}")
-            store.set(ask, f"release {max(attempts)}" if what == "release" else "")
+        if roots and attempts:
+            ask = f"{roots[0]}/infini/stacks/0/ask"
+            q = f"release {max(attempts)}" if what == "release" else ""
+            question = {"id": "evil", "rank": 0, "q": q}
+            store.set(ask, "0" * 64 + json.dumps(question))
             print("planted", flush=True)
             time.sleep(2)
-            answer = counts[0].replace("/count", f"/answer/{n}")
+            answer = f"{roots[0]}/infini/stacks/0/answer/evil"
             print("answered" if store.check([answer]) else "no answer", flush=True)
             break
     time.sleep(0.05)
@@ -109,3 +110,105 @@ def test_a_forged_question_to_a_rank_is_not_acted_on(kernel, two, what):
     assert time.monotonic() - t0 < 30
     stacks = text_of(kernel.run("%dist_stacks"))  # the kernel's own questions still work
     assert stacks.count("idle: no cell running") == 2, stacks  # both answered, verified
+
+
+# Issue 49's reader and replayer: every key and value, polled every 10 ms, as another user who
+# knows only the port would; "record" prints whether ``needle`` was ever seen in plain text and
+# saves what it saw; "replay" writes every saved key back.
+RECORDER = r"""
+import json, pickle, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+port, mode, needle, path = int(sys.argv[1]), sys.argv[2], sys.argv[3].encode(), sys.argv[4]
+seconds = float(sys.argv[5])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+if mode == "replay":
+    saved = pickle.load(open(path, "rb"))
+    for k, v in saved.items():
+        store.set(k, v)
+    print("replayed", len(saved), flush=True)
+    sys.exit()
+seen, found, waited, deadline = {}, False, set(), time.time() + seconds
+print("reading", flush=True)
+while time.time() < deadline:
+    for k in store.list_keys():
+        k = k.decode() if isinstance(k, bytes) else k
+        try:
+            if not store.check([k]):
+                continue
+            v = seen[k] = store.get(k)
+            found = found or needle in v
+            # a prompt's answer lives for one poll of the rank: wait for it under its id
+            for line in v.decode(errors="replace").splitlines() if k.endswith("stdin/asks") else []:
+                qid = json.loads(line[line.index("{"):])["id"] if "{" in line else None
+                if qid is not None and qid not in waited:
+                    waited.add(qid)
+                    answer = k.replace("stdin/asks", f"stdin/answer/{qid}")
+                    store.wait([answer], timedelta(seconds=5))
+                    v = seen[answer] = store.get(answer)
+                    found = found or needle in v
+        except Exception:
+            pass
+    time.sleep(0.01)
+pickle.dump(seen, open(path, "wb"))
+print("found" if found else "not found", len(seen), len(waited), flush=True)
+"""
+
+
+def recorder(kernel, mode: str, needle: str, path, seconds: float = 0) -> subprocess.Popen:
+    port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
+    args = [sys.executable, "-c", RECORDER, str(port), mode, needle, str(path), str(seconds)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    if mode == "record":
+        assert proc.stdout.readline().strip() == "reading"
+    return proc
+
+
+@pytest.mark.parametrize(
+    "code, answers",
+    [
+        ("s = input('token? ')\nprint(len(s))", ["hunter2-typed"]),
+        ("import getpass\ns = getpass.getpass('pw? ')\nprint(len(s))", ["hunter2-typed"]),
+        ("x = 1\nbreakpoint()\nprint('after')", ["p 'hunter2-typed'", "c"]),
+    ],
+    ids=["input", "getpass", "pdb"],
+)
+def test_nothing_the_user_types_can_be_read_in_the_store(kernel, two, tmp_path, code, answers):
+    """Issue 49: input() answers crossed the store in plain text ({"value": "hunter2"}), and
+    pdb commands too; only getpass answers were sealed."""
+    reader = recorder(kernel, "record", "hunter2", tmp_path / "seen.pickle", seconds=6)
+    ui = Frontend(kernel, answers, think_s=0.5)
+    assert ui.run(f"%%dist --ranks 0\n{code}") == "ok"
+    said = reader.communicate(timeout=30)[0].split()
+    # it read the keys and every answer as the rank did, never the text
+    assert said[0] == "not" and int(said[-2]) > 0 and int(said[-1]) == len(answers), said
+    assert "Traceback" not in "".join(ui.shown.values())
+
+
+def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, tmp_path):
+    """Issue 49: a rank's signed stack answer, written back with the counter rolled back,
+    made %dist_stacks of the idle rank show the old cell's function. Every key and value
+    recorded while a cell runs (and %dist_stacks answers), written back after it: the next
+    %dist_stacks shows the ranks as they are, and answers within its time."""
+    reader = recorder(kernel, "record", "-", tmp_path / "seen.pickle", seconds=5)
+    kernel.run(
+        "%%dist --background\nimport time\ndef old_cells_function():\n    time.sleep(3)\n"
+        "old_cells_function()"
+    )
+    deadline = time.monotonic() + 30
+    while "old_cells_function" not in (stacks := text_of(kernel.run("%dist_stacks"))):
+        assert time.monotonic() < deadline, stacks
+    reader.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while "idle: no cell running" not in text_of(kernel.run("%dist_stacks --ranks 0")):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    said = recorder(kernel, "replay", "-", tmp_path / "seen.pickle").communicate(timeout=30)[0]
+    assert said.startswith("replayed"), said
+    t0 = time.monotonic()
+    stacks = text_of(kernel.run("%dist_stacks"))
+    assert "old_cells_function" not in stacks and stacks.count("idle: no cell running") == 2, stacks
+    assert time.monotonic() - t0 < 10
+    out = text_of(kernel.run("%%dist\nprint('still', rank)"))  # nothing was released
+    assert "[rank 0] still 0" in out and "[rank 1] still 1" in out, out

@@ -70,3 +70,58 @@ def _keystream(key: str, name: str, nonce: bytes, size: int) -> bytes:
 
 def _xor(a: bytes, b: bytes) -> bytes:
     return bytes(x ^ y for x, y in zip(a, b))
+
+
+# ----- questions to a rank's answering thread, and their answers --------------------------------
+# The asker (the kernel) makes a random id for each question; the answer goes under a key named
+# by that id, and its body repeats the id, the rank and the kind of question, all under the MAC.
+# So an answer counts only for its own question, and an old one never stands for a new one.
+def question_kind(question: str) -> str:
+    """The kind of a question to a rank ("stacks" for the empty question)."""
+    return question.split(" ", 1)[0] or "stacks"
+
+
+def new_question_id() -> str:
+    return secrets.token_hex(12)
+
+
+def pack_question(key: str, name: str, qid: str, rank: int, question: str) -> bytes:
+    import json
+
+    return sign(key, name, json.dumps({"id": qid, "rank": rank, "q": question}))
+
+
+def unpack_question(key: str, name: str, raw: bytes, rank: int) -> tuple[str, str] | None:
+    """(id, question) of a signed question to ``rank``; None for anything else."""
+    import json
+
+    body = verify(key, name, raw)
+    try:
+        data = json.loads(body) if body is not None else None
+        if data["rank"] == rank and isinstance(data["id"], str) and isinstance(data["q"], str):
+            return data["id"], data["q"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def pack_answer(key: str, name: str, qid: str, rank: int, kind: str, answer: str) -> bytes:
+    import json
+
+    body = {"id": qid, "rank": rank, "kind": kind, "answer": answer}
+    return sign(key, name, json.dumps(body))
+
+
+def unpack_answer(key: str, name: str, raw: bytes, qid: str, rank: int, kind: str) -> str | None:
+    """The answer to question ``qid`` of ``kind`` asked of ``rank``; None for anything else
+    (unsigned, or signed for another question, rank or kind)."""
+    import json
+
+    body = verify(key, name, raw)
+    try:
+        data = json.loads(body) if body is not None else None
+        if (data["id"], data["rank"], data["kind"]) == (qid, rank, kind):
+            return str(data["answer"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None

@@ -33,51 +33,75 @@ def start(cfg: dict) -> None:
         install_signal_dump(cfg["stack_file"])
 
 
-# The kernel asks rank r a question by setting stack_key(r, "ask", n) to it, n counting up
-# from the store's counter stack_key(r, "count"); the rank answers under stack_key(r, "answer", n).
+# The kernel asks rank r a question by setting stack_key(r, "ask") to it, signed with a random
+# id the kernel made (signing.pack_question); the rank answers under stack_key(r, "answer", id),
+# the id, rank and kind of question under the MAC (signing.pack_answer). No number is read back
+# from the store: anyone can set its keys. The rank answers each id once.
 # Questions: "" (every thread's stack), "clock" (its wall clock, ns), "wait" (what the
 # cell waits in: JSON, "null" when nothing), "links" (its TCP connections: JSON),
 # "release ATTEMPT" (its running cell is to fail), "abort ATTEMPT" (abort its NCCL
 # communicators), "close ATTEMPT LINKS" (shut down these of its TCP connections, JSON as
 # "links" gives them). ATTEMPT: the groups it is meant for; answered "stale" once they were
 # rebuilt.
-def stack_key(rank: int, what: str, n: int | None = None) -> str:
+def stack_key(rank: int, what: str, n: str | None = None) -> str:
     return f"infini/stacks/{rank}/{what}" + ("" if n is None else f"/{n}")
+
+
+ANSWERED_MEMORY = 4096  # question ids a rank remembers having answered (against replays)
 
 
 def install_stack_dumper(cfg: dict) -> None:
     """Answer Session.stacks through the kernel's TCPStore, from a thread of our own: an
     apply would queue behind a running cell, while this thread runs beside it, also while the
     cell is stuck in a collective (torch releases the GIL while it waits). The store client
-    and the scratch file are this engine's, so it works on any host. The counter is read
-    here, before bootstrap returns, so that no request can come before the thread listens."""
+    and the scratch file are this engine's, so it works on any host. A question written
+    back into the store after it was answered (a replay) is not acted on again."""
+    from collections import OrderedDict
 
     rank, key = cfg["rank"], cfg["mac_key"]
     store = session_store(cfg, timedelta(seconds=60))
-    answered = store.add(stack_key(rank, "count"), 0)
+    inbox = stack_key(rank, "ask")
     scratch = tempfile.TemporaryFile()  # no name: nothing to clean up, nothing shared
+    answered: OrderedDict[str, None] = OrderedDict()
 
-    def serve(answered: int) -> None:
+    def serve() -> None:
         while True:
-            ask = stack_key(rank, "ask", answered + 1)
             try:
-                store.wait([ask], timedelta(hours=1))
+                store.wait([inbox], timedelta(hours=1))
             except Exception:  # no request yet, or the kernel is gone (the watchers end us)
                 time.sleep(1.0)
                 continue
             try:
-                question = signing.verify(key, ask, store.get(ask))
-                store.delete_key(ask)
-                if question is None:  # not the kernel's: dropped, and the number waits on
-                    _say(f"an unsigned question to rank {rank} was ignored")
+                raw = store.get(inbox)
+                store.delete_key(inbox)
+                asked = signing.unpack_question(key, inbox, raw, rank)
+                if asked is None:  # not the kernel's: dropped
+                    _say_once(f"an unsigned question to rank {rank} was ignored")
                     continue
-                answered += 1
-                reply = stack_key(rank, "answer", answered)
-                store.set(reply, signing.sign(key, reply, answer(question.decode(), scratch)))
+                qid, question = asked
+                if qid in answered:
+                    _say_once(f"a question to rank {rank} replayed in the store was ignored")
+                    continue
+                answered[qid] = None
+                while len(answered) > ANSWERED_MEMORY:
+                    answered.popitem(last=False)
+                reply = stack_key(rank, "answer", qid)
+                kind = signing.question_kind(question)
+                text = answer(question, scratch)
+                store.set(reply, signing.pack_answer(key, reply, qid, rank, kind, text))
             except Exception:
                 pass
 
-    threading.Thread(target=serve, args=(answered,), name="infini-stacks", daemon=True).start()
+    threading.Thread(target=serve, name="infini-stacks", daemon=True).start()
+
+
+_said: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        _say(text)
 
 
 def answer(question: str, scratch) -> str:

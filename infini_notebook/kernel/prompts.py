@@ -34,8 +34,7 @@ class Prompts:
         if time.monotonic() < self.next_poll:
             return
         for n, question in self.s.rendezvous.prompts():
-            secret = bool(question.get("password"))  # a getpass answer travels sealed
-            self.s.rendezvous.answer_prompt(n, self._reply(question), secret=secret)
+            self.s.rendezvous.answer_prompt(n, self._reply(question))
         self.next_poll = time.monotonic() + POLL_S
 
     def _reply(self, question: dict) -> dict:

@@ -165,25 +165,29 @@ class Rendezvous:
                 store.delete_key(key)
             self._late = []
             answers = {}
-            for r in ranks:
-                n = store.add(rank_services.stack_key(r, "count"), 1)
+            for r in ranks:  # each question under an id of our own, never a store counter
                 asked = question[r] if isinstance(question, dict) else question
-                key = rank_services.stack_key(r, "ask", n)
-                store.set(key, signing.sign(self.mac_key, key, asked))
-                answers[r] = rank_services.stack_key(r, "answer", n)
+                qid, inbox = signing.new_question_id(), rank_services.stack_key(r, "ask")
+                store.set(inbox, signing.pack_question(self.mac_key, inbox, qid, r, asked))
+                answers[r] = (qid, signing.question_kind(asked))
+            keys = {r: rank_services.stack_key(r, "answer", qid) for r, (qid, _) in answers.items()}
             try:
-                store.wait(list(answers.values()), timedelta(seconds=wait))
+                store.wait(list(keys.values()), timedelta(seconds=wait))
             except Exception:  # a rank did not answer in time; the others did
                 pass
             out: dict[int, str] = {}
-            for r, key in answers.items():
+            for r, key in keys.items():
                 if store.check([key]):
-                    body = signing.verify(self.mac_key, key, store.get(key))
-                    store.delete_key(key)
+                    raw = store.get(key)
+                    store.delete_key(key)  # one answer per question, taken once
+                    qid, kind = answers[r]
+                    body = signing.unpack_answer(self.mac_key, key, raw, qid, r, kind)
                     if body is None:
-                        self._forged(f"an unsigned answer from rank {r}'s answering thread")
+                        self._forged(
+                            f"an answer from rank {r}'s answering thread not to its question"
+                        )
                     else:
-                        out[r] = body.decode(errors="replace")
+                        out[r] = body
                 else:
                     self._late.append(key)
         return out
@@ -221,12 +225,13 @@ class Rendezvous:
                 out.append((n, question))
         return out
 
-    def answer_prompt(self, n: str, reply: dict, secret: bool = False) -> None:
-        """Answer question ``n``; a ``secret`` value (getpass) travels sealed."""
+    def answer_prompt(self, n: str, reply: dict) -> None:
+        """Answer question ``n``. What the user typed (``input()``, a pdb command, a getpass
+        answer) travels sealed: every local user can read every key of the store."""
         if self._keys is None:
             return
         key = prompt_key("answer", n)
-        if secret and "value" in reply:
+        if "value" in reply:
             reply = {"sealed": signing.seal(self.mac_key, key, reply["value"])}
         self._keys.set(key, signing.sign(self.mac_key, key, json.dumps(reply)))
         self._answered.append(n)
