@@ -1,7 +1,9 @@
-"""A rank on another host watches the kernel's store (engine/rank_services.watch_store): a
-dropped connection is reconnected, and only a store gone for good ends the rank. Real
-TCPStore, real sockets: the watcher reaches the store through a small TCP relay that the
-test cuts, as a network blip or a NAT timeout would."""
+"""A rank on another host follows the kernel's heartbeat in its store
+(engine/rank_services.watch_store, core/heartbeat.py): a dropped connection is reconnected,
+a deleted or garbled key is looked at again, a copied beat served again is not fresh, and
+only no fresh beat for the whole window ends the rank, saying which it saw. Real TCPStore,
+real sockets: the watcher reaches the store through a small TCP relay that the test cuts,
+as a network blip or a NAT timeout would."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from infini_notebook.core import signing
+from infini_notebook.core.heartbeat import Freshness, beat, read_beat
 from infini_notebook.engine.rank_services import ALIVE_KEY, session_root
+from infini_notebook.launch.heartbeat import Heartbeat
 
 WATCHER = """\
 import sys, time
@@ -29,12 +33,18 @@ time.sleep(60)
 TOKEN, KEY = "a" * 32, signing.new_key()
 
 
-def kernel_store() -> dist.TCPStore:
-    """A store as the kernel hosts it: the session's signed alive key under its root."""
+def kernel_store() -> tuple[dist.TCPStore, Heartbeat]:
+    """A store as the kernel hosts it, with its heartbeat (every 0.2 s here)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
     keys = dist.PrefixStore(session_root(TOKEN), store)
-    keys.set(ALIVE_KEY, signing.sign(KEY, ALIVE_KEY, "alive"))
-    return store
+    keys.set(ALIVE_KEY, beat(KEY, 0, time.time()))
+    port = store.port  # not the store: the beats must not keep the server alive
+
+    def connect():
+        client = dist.TCPStore("127.0.0.1", port, is_master=False)
+        return dist.PrefixStore(session_root(TOKEN), client)
+
+    return store, Heartbeat(connect, KEY, every=0.2)
 
 
 def end(watcher: subprocess.Popen) -> None:
@@ -108,7 +118,7 @@ class Relay:
 
 
 def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_rank():
-    store = kernel_store()
+    store, beats = kernel_store()
     relay = Relay(store.port)
     watcher = start_watcher(relay.port, 3)
     try:
@@ -128,27 +138,77 @@ def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_ran
     finally:
         end(watcher)
         relay.close()
+        beats.stop()
     assert code == 3
-    assert "lost the kernel's store for 3 s" in watcher.stderr.read()
-    assert 3 <= took < 15, took
+    said = watcher.stderr.read()
+    import re
+
+    waited = re.search(r"no fresh signed heartbeat from the kernel for (\d+) s", said)
+    assert waited and 3 <= int(waited.group(1)) <= 10, said  # a connect may run past it
+    assert "the store could not be reached" in said, said
+    assert 2 <= took < 15, took
 
 
-def test_a_foreign_store_on_the_old_port_does_not_keep_the_rank_alive():
-    """Issue 44 item 4: the kernel dies, another user binds a TCPStore on the freed port
-    (any TCPStore answers a bare check); the rank still ends once lost_after passes."""
-    store = kernel_store()
+def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_alive():
+    """Issue 49: the signed alive value was the same for the whole session; copied, then
+    served from a store on the same port once the kernel's had ended, it kept a remote rank
+    alive for over 110 s. Now the copy (the newest beat, re-set all the time) is old news."""
+    store, beats = kernel_store()
     port = store.port
     watcher = start_watcher(port, 3)
+    keys = dist.PrefixStore(session_root(TOKEN), store)
     try:
         assert watcher.stdout.readline().strip() == "watching"
-        del store  # the kernel is gone, its port free
+        time.sleep(1)  # it takes some beats
+        beats.stop()
+        copied = keys.get(ALIVE_KEY)  # the attacker's copy of the last beat
+        assert read_beat(KEY, copied) is not None
+        del keys, store  # the kernel is gone, its port free
         foreign = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
-        foreign.set(f"{session_root(TOKEN)}/{ALIVE_KEY}", b"alive")  # even under our root
         t0 = time.monotonic()
-        code = watcher.wait(30)
+        while watcher.poll() is None and time.monotonic() - t0 < 30:
+            foreign.set(f"{session_root(TOKEN)}/{ALIVE_KEY}", copied)  # served again and again
+            time.sleep(0.05)
         took = time.monotonic() - t0
+        code = watcher.wait(5)
     finally:
         end(watcher)
+        beats.stop()
     assert code == 3, code
-    assert "not the session's" in watcher.stderr.read()
-    assert took < 15, took
+    said = watcher.stderr.read()
+    assert "no fresh signed heartbeat" in said and "only an old heartbeat" in said, said
+    assert took < 10, took
+
+
+def test_a_heartbeat_deleted_every_100ms_never_ends_the_rank(capfd):
+    """Issue 49: deleting the alive key ended every remote rank within 60 s although the
+    kernel was alive. Deleted every 100 ms for over 2 windows: the rank stays; the kernel says
+    it once."""
+    store, beats = kernel_store()
+    watcher = start_watcher(store.port, 3)
+    keys = dist.PrefixStore(session_root(TOKEN), store)
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 8:
+            keys.delete_key(ALIVE_KEY)
+            time.sleep(0.1)
+        assert watcher.poll() is None, watcher.stderr.read()
+    finally:
+        end(watcher)
+        beats.stop()
+    assert capfd.readouterr().err.count("heartbeat was deleted from its store") == 1
+
+
+def test_freshness_takes_only_newer_beats_by_its_own_clock():
+    key = signing.new_key()
+    fresh = Freshness(window=10, since=100.0)
+    assert fresh.take(read_beat(key, beat(key, 0, 0.0)), 101)  # the first beat
+    assert not fresh.take(read_beat(key, beat(key, 0, 9e9)), 105)  # replayed: a later time
+    assert "only an old heartbeat (sequence 0" in fresh.seen  # is no help
+    assert not fresh.take(read_beat(key, b"0" * 64 + b'{"seq": 9}'), 106)  # unsigned
+    assert not fresh.take(read_beat(signing.new_key(), beat(key, 5, 0)), 106)  # other key
+    assert not fresh.expired(110) and fresh.expired(111.5)  # 10 s after the last fresh one
+    assert fresh.take(read_beat(key, beat(key, 7, -1e9)), 111)  # newer: fresh, any clock
+    assert fresh.last == 7 and not fresh.expired(120)
+    assert "sequence 7" in fresh.last_words(125)

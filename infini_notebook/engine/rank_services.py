@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import timedelta
 
-from ..core import signing
+from ..core import heartbeat, signing
 
 
 def start(cfg: dict) -> None:
@@ -345,8 +345,8 @@ def session_store(cfg: dict, timeout: timedelta):
     return dist.PrefixStore(session_root(cfg["token"]), store)
 
 
-STORE_LOST_AFTER_S = 60.0  # a remote rank reconnects to the kernel's store this long
-ALIVE_KEY = "infini/alive"  # set by the kernel, signed: what the store watcher checks
+STORE_LOST_AFTER_S = 60.0  # a remote rank waits this long for a fresh heartbeat
+ALIVE_KEY = heartbeat.ALIVE_KEY  # the kernel's signed heartbeat (core/heartbeat.py)
 
 
 def watch_store(
@@ -354,36 +354,53 @@ def watch_store(
     port: int,
     token: str,
     mac_key: str,
-    every: float = 1.0,
+    every: float = heartbeat.BEAT_S,
     lost_after: float = STORE_LOST_AFTER_S,
 ):
-    """Exit when the kernel's TCPStore is gone: after three missed checks, reconnect with
-    backoff, and give up (exit code 3, saying why) only after ``lost_after`` seconds
-    without it. A dropped connection (a network blip, a NAT timeout) is not the kernel
-    gone: one lost connection used to end a remote rank at once. A check is the kernel's
-    signed ALIVE_KEY under the session's root: any TCPStore answers a bare check, and
-    another user who binds the freed port must not keep this rank (and its GPU) alive."""
+    """Exit (code 3, saying why) when no fresh signed heartbeat of the kernel came for
+    ``lost_after`` seconds: a beat newer than the last one taken (core/heartbeat.py). A
+    dropped connection (a network blip, a NAT timeout) is reconnected with backoff; a
+    missing or garbled key is looked at again; a copied beat served again (by another user
+    who binds the freed port, or written back into the store) is not fresh. None of them
+    ends the rank before its window."""
 
-    def connect():
+    def connect(left: float):
         import torch.distributed as dist
 
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        wait = timedelta(seconds=max(0.5, min(5.0, left)))  # never far past the window
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=wait)
         return dist.PrefixStore(session_root(token), store)
 
-    def ours(store) -> bool:
-        return signing.verify(mac_key, ALIVE_KEY, store.get(ALIVE_KEY)) is not None
-
     def watch() -> None:
-        store = _reconnect(connect, ours, lost_after)
-        misses = 0
-        while True:
-            time.sleep(every)
+        fresh = heartbeat.Freshness(lost_after, time.monotonic())
+        store, delay = None, 0.5
+        while not fresh.expired(time.monotonic()):
+            if store is None:
+                try:
+                    store, delay = connect(fresh.left(time.monotonic())), 0.5
+                except Exception as e:
+                    fresh.unreachable(str(e))
+                    time.sleep(max(0.0, min(delay, fresh.left(time.monotonic()))))
+                    delay = min(2 * delay, 8.0)
+                    continue
             try:
-                misses = 0 if store.check([ALIVE_KEY]) and ours(store) else misses + 1
-            except Exception:
-                misses += 1
-            if misses >= 3:
-                store, misses = _reconnect(connect, ours, lost_after), 0
+                store.wait([ALIVE_KEY], timedelta(seconds=2 * every))
+                raw = store.get(ALIVE_KEY)
+            except Exception as e:
+                if "imeout" in str(e):  # waited: no key (deleted?): look again
+                    fresh.take(None, time.monotonic())
+                else:
+                    fresh.unreachable(str(e))
+                    store = None
+                continue
+            if fresh.take(heartbeat.read_beat(mac_key, raw), time.monotonic()):
+                time.sleep(every / 2)  # the next beat is not due before
+            else:
+                time.sleep(min(every / 4, 0.25))
+        _say(fresh.last_words(time.monotonic()))
+        for cleanup in BEFORE_EXIT:  # os._exit runs no atexit
+            cleanup()
+        os._exit(3)
 
     threading.Thread(target=watch, name="infini-store-watch", daemon=True).start()
 
@@ -391,28 +408,6 @@ def watch_store(
 # What must run before the engine ends itself with os._exit (code_sync's copy of the
 # notebook's folder): atexit handlers do not run then.
 BEFORE_EXIT: list = []
-
-
-def _reconnect(connect, ours, lost_after: float):
-    """A new client of the kernel's store (one that holds the session's signed key), retried
-    with backoff for ``lost_after`` seconds; then the rank ends: its kernel is gone."""
-    deadline = time.monotonic() + lost_after
-    delay = 0.5
-    while True:
-        try:
-            store = connect()
-            if store.check([ALIVE_KEY]) and ours(store):
-                return store
-            why = "a store answers there, but not the session's"
-        except Exception as e:
-            why = str(e)
-        if time.monotonic() + delay > deadline:
-            _say(f"lost the kernel's store for {lost_after:.0f} s ({why}); this rank ends")
-            for cleanup in BEFORE_EXIT:  # os._exit runs no atexit
-                cleanup()
-            os._exit(3)
-        time.sleep(delay)
-        delay = min(2 * delay, 8.0)
 
 
 def _say(text: str) -> None:

@@ -10,14 +10,16 @@ import os
 import secrets
 import sys
 import threading
+import time
 import warnings
 from datetime import timedelta
 
-from ..core import signing
+from ..core import heartbeat, signing
 from ..core.errors import DistUsageError
 from ..core.plan import LOOPBACK, SessionPlan, is_loopback
 from ..engine import rank_services
 from ..engine.stdin_relay import prompt_key
+from .heartbeat import Heartbeat
 
 
 class Rendezvous:
@@ -34,6 +36,7 @@ class Rendezvous:
         self.attempt = 0
         self._nonce = secrets.token_hex(8)
         self._server = None  # the TCPStore server: it closes with its last reference
+        self._heartbeat: Heartbeat | None = None  # for ranks on other hosts (heartbeat.py)
         self._keys = None  # the session's keys in it (a PrefixStore under the root)
         self._late: list[str] = []  # keys of answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
@@ -79,9 +82,18 @@ class Rendezvous:
             )
             sock.detach()  # the store owns the descriptor now and closes it
             self._keys = dist.PrefixStore(rank_services.session_root(self.token), self._server)
-            # what a remote rank's store watcher checks: a store on this port that is ours
-            alive = rank_services.ALIVE_KEY
-            self._keys.set(alive, signing.sign(self.mac_key, alive, "alive"))
+            # what a remote rank's store watcher follows: the kernel's signed heartbeat
+            self._keys.set(heartbeat.ALIVE_KEY, heartbeat.beat(self.mac_key, 0, time.time()))
+            if self.plan.placement.multi_host:
+                root = rank_services.session_root(self.token)
+
+                def connect():
+                    client = dist.TCPStore(
+                        host, port, is_master=False, timeout=timedelta(seconds=30)
+                    )
+                    return dist.PrefixStore(root, client)
+
+                self._heartbeat = Heartbeat(connect, self.mac_key)
         except Exception as e:  # port taken, address not ours
             raise DistUsageError(
                 f"Cannot host the rendezvous store on {host}:{port} ({e}). "
@@ -96,8 +108,7 @@ class Rendezvous:
         try:
             self._server = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
             self._keys = dist.PrefixStore(rank_services.session_root(self.token), self._server)
-            alive = rank_services.ALIVE_KEY
-            self._keys.set(alive, signing.sign(self.mac_key, alive, "alive"))
+            self._keys.set(heartbeat.ALIVE_KEY, heartbeat.beat(self.mac_key, 0, time.time()))
         except Exception as e:
             raise DistUsageError(
                 f"Cannot reach the session's store at {host}:{port} ({e}). Its processes may "
@@ -138,6 +149,9 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the store (the server closes with its last reference) and a file:// init
         path made for the session (a path the user made stays: it may be theirs)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self._keys = None
         self._server = None
         if self._made_init_file:
