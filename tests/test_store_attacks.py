@@ -212,3 +212,49 @@ def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, tmp_pa
     assert time.monotonic() - t0 < 10
     out = text_of(kernel.run("%%dist\nprint('still', rank)"))  # nothing was released
     assert "[rank 0] still 0" in out and "[rank 1] still 1" in out, out
+    ui = Frontend(kernel, ["Ada"])  # a prompt after the replay gets this answer, at once
+    t0 = time.monotonic()
+    assert ui.run("%%dist --ranks 1\nprint('hi', input('name? '))") == "ok"
+    assert "[rank 1] hi Ada" in "".join(ui.shown.values()) and time.monotonic() - t0 < 20
+
+
+# Deletes the first answer to a rank's prompt as soon as the kernel writes it (waiting on its
+# key as the rank's 50 ms poll cannot), and says whether it got there first.
+DELETER = r"""
+import json, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+print("ready", flush=True)
+deadline = time.time() + 30
+while time.time() < deadline:
+    logs = [k for k in store.list_keys() if str(k).endswith("stdin/asks")]
+    if logs:
+        log = logs[0].decode() if isinstance(logs[0], bytes) else logs[0]
+        line = [x for x in store.get(log).decode(errors="replace").splitlines() if "{" in x][0]
+        qid = json.loads(line[line.index("{"):])["id"]
+        answer = log.replace("stdin/asks", "stdin/answer/" + qid)
+        store.wait([answer], timedelta(seconds=20))
+        print("deleted" if store.delete_key(answer) else "too late", flush=True)
+        break
+    time.sleep(0.005)
+"""
+
+
+def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
+    """Issue 49 item 4: a question whose answer was deleted never hangs; it is asked again,
+    and the kernel says so once."""
+    port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
+    deleter = subprocess.Popen(
+        [sys.executable, "-c", DELETER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    assert deleter.stdout.readline().strip() == "ready"
+    ui = Frontend(kernel, ["Ada"], think_s=1.0)
+    t0 = time.monotonic()
+    assert ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)") == "ok"
+    assert deleter.communicate(timeout=30)[0].strip() == "deleted"
+    shown = "".join(ui.shown.values())
+    assert "[rank 0] hello Ada" in shown, shown
+    assert shown.count("rank 0's answer was tampered with in the store; sent again") == 1, shown
+    assert time.monotonic() - t0 < 20

@@ -10,6 +10,7 @@ from .errors import DistUsageError
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+FOLDER_PREFIX = "infini-notebook-"  # a session's folder (tempfile.mkdtemp's prefix)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 

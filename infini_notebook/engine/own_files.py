@@ -16,7 +16,21 @@ from collections.abc import Callable
 from typing import IO
 
 from ..core.errors import DistUsageError
-from .remote_start import folder_problem
+
+
+def folder_problem(st: os.stat_result, uid: int, private: bool = True) -> str | None:
+    """Why a folder with lstat ``st`` is not this user's own (``private``: with mode 0700),
+    or None when it is."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != uid:
+        return f"belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    if private and stat.S_IMODE(st.st_mode) != 0o700:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    return None
+
 
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

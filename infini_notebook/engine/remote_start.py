@@ -27,29 +27,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import sys
 import tempfile
+
+from .own_files import folder_problem
 
 FOLDER_ENV = "INFINI_ENGINE_FOLDER"
 
 
 class Refused(Exception):
     """The profile folder is not this engine's own."""
-
-
-def folder_problem(st: os.stat_result, uid: int, private: bool = True) -> str | None:
-    """Why a folder with lstat ``st`` is not this user's own (``private``: with mode 0700),
-    or None when it is."""
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a folder"
-    if st.st_uid != uid:
-        return f"belongs to uid {st.st_uid}, not to this user (uid {uid})"
-    if private and stat.S_IMODE(st.st_mode) != 0o700:
-        return f"has mode {stat.S_IMODE(st.st_mode):o}, not 700"
-    return None
 
 
 def prepare(mode: str, environ) -> tuple[str, list[str]]:

@@ -162,7 +162,14 @@ def ask(prompt: str, password: bool = False) -> str:
     log = prompt_key("asks")
     # a newline before as well: stray bytes someone else appended form a line of their own
     store.append(log, b"\n" + signing.sign(mac_key, log, json.dumps(question)) + b"\n")
-    reply = _signed_answer(store, mac_key, prompt_key("answer", n))
+    again = (
+        b"\n"
+        + signing.sign(mac_key, log, json.dumps({"id": n, "rank": question["rank"], "again": True}))
+        + b"\n"
+    )
+    reply = _signed_answer(
+        store, mac_key, prompt_key("answer", n), lambda: store.append(log, again)
+    )
     if "error" in reply:
         raise StdinNotImplementedError(reply["error"])
     if "stop" in reply:
@@ -174,13 +181,22 @@ def ask(prompt: str, password: bool = False) -> str:
     return reply["value"]
 
 
-def _signed_answer(store, mac_key: str, key: str) -> dict:
+AGAIN_S = 3.0  # then the kernel is asked to send its answer again, if it gave one
+
+
+def _signed_answer(store, mac_key: str, key: str, ask_again) -> dict:
     """The kernel's answer under ``key``, deleted once read. One that our key did not sign
-    (another local user writing into the store) is dropped and said, and the wait goes on."""
+    (another local user writing into the store) is dropped and said, and the wait goes on.
+    Every AGAIN_S without one, ``ask_again()``: an answer the kernel gave that someone
+    deleted from the store is sent again (one not given yet waits for the user)."""
     while True:
         try:
+            waited = time.monotonic()
             while not store.check([key]):
                 time.sleep(POLL_S)  # SIGINT (an interrupt of the whole cell) raises here
+                if time.monotonic() - waited > AGAIN_S:
+                    ask_again()
+                    waited = time.monotonic()
         except KeyboardInterrupt:
             raise _stop("interrupted at the prompt") from None
         body = signing.verify(mac_key, key, store.get(key))

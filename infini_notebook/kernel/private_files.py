@@ -8,8 +8,7 @@ import os
 import tempfile
 
 from ..core.errors import DistUsageError
-from ..engine.own_files import write, write_text  # noqa: F401 (the kernel's writers)
-from ..engine.remote_start import folder_problem
+from ..engine.own_files import folder_problem, write, write_text  # noqa: F401 (the kernel's writers)
 
 
 def own_folder_problem(st: os.stat_result, uid: int) -> str | None:

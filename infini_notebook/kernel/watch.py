@@ -135,6 +135,8 @@ class CellWatch:
         self.cell.wait_for_trailing_output(supervision.liveness(self.s))
         self.cell.show(final=True)
         self.cell.render_final()
+        for said in self.s.rendezvous.take_notices():  # tampering seen in the store: kept
+            self.cell.printer.err(f"infini_notebook: {said}\n")
 
     def _give_up(self, stuck: list[int]) -> None:
         """End the cell without ranks that could not be released: show where they are; the

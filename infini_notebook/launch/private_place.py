@@ -32,8 +32,8 @@ import tempfile
 import psutil
 
 from ..core.errors import DistUsageError
+from ..core.keep import FOLDER_PREFIX
 from ..engine import own_files
-from .watchdog import FOLDER_PREFIX
 
 ENV = "INFINI_NOTEBOOK_DIR"  # a folder of the user's choosing instead (a long home path)
 KEPT = "kept"

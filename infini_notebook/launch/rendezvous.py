@@ -33,6 +33,7 @@ class Rendezvous:
         # Signs what travels through the store (core/signing.py); never written into it.
         self.mac_key = kept.data["mac_key"] if kept else signing.new_key()
         self._forgeries: set[str] = set()  # kinds of forged messages reported already
+        self._notices: list[str] = []  # said since the running cell began (take_notices)
         self.attempt = 0
         self._nonce = secrets.token_hex(8)
         self._server = None  # the TCPStore server: it closes with its last reference
@@ -41,7 +42,7 @@ class Rendezvous:
         self._late: list[str] = []  # keys of answers nobody waited for
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
         self._prompted = 0  # bytes of the ranks' questions for stdin read so far
-        self._answered: list[str] = []  # answers given, deleted by the rank that reads one
+        self._answered: dict[str, dict] = {}  # answers given (until the cell ends), by id
         self._asked: set[str] = set()  # ids of the questions read
         method = plan.init_method
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
@@ -212,6 +213,13 @@ class Rendezvous:
             self._forgeries.add(what)
             print(f"infini_notebook: {what} was ignored (not signed by this session)",
                   file=sys.stderr)  # fmt: skip
+            self._notices.append(f"{what} was ignored (not signed by this session)")
+
+    def take_notices(self) -> list[str]:
+        """What was said of tampering in the store since the last call: a cell shows it
+        again after its output is shown in rank order (which clears what came before)."""
+        said, self._notices = self._notices, []
+        return said
 
     def prompts(self) -> list[tuple[str, dict]]:
         """The ranks' questions for stdin (engine/stdin_relay.py) not read yet, in the order
@@ -234,6 +242,9 @@ class Rendezvous:
             except (ValueError, KeyError, TypeError):  # not a question our ranks wrote
                 self._forged("an unsigned question for stdin")
                 continue
+            if question.get("again"):  # our answer never reached the rank: sent again
+                self._answer_again(n, question)
+                continue
             if n not in self._asked:  # a question replayed into the log is asked once
                 self._asked.add(n)
                 out.append((n, question))
@@ -248,13 +259,27 @@ class Rendezvous:
         if "value" in reply:
             reply = {"sealed": signing.seal(self.mac_key, key, reply["value"])}
         self._keys.set(key, signing.sign(self.mac_key, key, json.dumps(reply)))
-        self._answered.append(n)
+        self._answered[n] = reply
+
+    def _answer_again(self, n: str, question: dict) -> None:
+        """A rank still waits for the answer we gave to question ``n``: someone deleted or
+        garbled it in the store. Written again (once per request), said once; a question
+        not answered yet (the user still types) waits for the user."""
+        reply = self._answered.get(n)
+        if reply is None or self._keys is None:
+            return
+        key = prompt_key("answer", n)
+        self._keys.set(key, signing.sign(self.mac_key, key, json.dumps(reply)))
+        said = f"rank {question.get('rank')}'s answer was tampered with in the store; sent again"
+        if said not in self._forgeries:
+            self._forgeries.add(said)
+            self._notices.append(said)
 
     def drop_unread_answers(self) -> None:
         """Once a cell ended: delete the answers no rank read (it died or was stopped at its
         prompt), so that none lingers in the store, and the question log, read by then (it
         would grow with every pdb command of the session, and be read whole each poll)."""
-        answered, self._answered = self._answered, []
+        answered, self._answered = list(self._answered), {}
         if self._keys is not None and self._prompted:
             try:
                 self._keys.delete_key(prompt_key("asks"))

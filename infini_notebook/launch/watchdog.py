@@ -28,6 +28,8 @@ import time
 
 import psutil
 
+from ..core.keep import FOLDER_PREFIX  # a session's folder's prefix (re-exported)
+
 POLL_S = 0.5
 GRACE_S = 3.0
 MARK = "IPP_PROFILE_DIR"
@@ -149,7 +151,6 @@ def _reap(proc: psutil.Process) -> bool:
     return False
 
 
-FOLDER_PREFIX = "infini-notebook-"  # the session's folder (tempfile.mkdtemp's prefix)
 ELSEWHERE = "elsewhere"  # in the session's folder: its folders outside it, a path per line
 
 

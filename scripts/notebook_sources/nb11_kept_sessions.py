@@ -71,9 +71,11 @@ CELLS = [
     ## Attach it
 
     `%dist_attach` takes the session over. One line says what it took: its ranks, backend,
-    age, and whether it was detached or taken from another kernel; a rank that died while
-    no kernel was attached, or a cell that still runs (with where its output went), would be
-    named here too.
+    age, and whether it was detached or taken from another kernel. The training cell above
+    finished while no kernel was attached: the line names it (ok or failed, and when), shows
+    the last lines each rank printed, and makes it `session.last`; `%dist_export` has it as
+    code. A rank that died while detached, or a cell that still runs (with where its output
+    goes), would be named here too.
     """),
     code("%dist_attach tutorial-kept"),
     md("The model, the optimizer and the process groups are where they were; training goes on:"),
@@ -95,8 +97,9 @@ CELLS = [
     or without a kernel attached, is in the session's per-rank output files
     (`output/rank0.stdout`, named by the attach line).
 
-    `%dist_stop` ends the session from the kernel that drives it; `%dist_stop NAME` ends any
-    of your kept sessions from any kernel, without attaching.
+    `%dist_detach` lets the session go and keeps it (its keep time starts counting);
+    `%dist_stop` ends it from the kernel that drives it; `%dist_stop NAME` ends any of your
+    kept sessions from any kernel, without attaching.
     """),
     code("%dist_stop"),
 ]
