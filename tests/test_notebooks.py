@@ -60,6 +60,7 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     (re.compile(r"[0-9a-f]{20,}"), "HASH"),
     (re.compile(r"(PORT=|127\.0\.0\.1:)\d+"), r"\1PORT"),
     (re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"), "TIME"),
+    (re.compile(r"\b\d\d:\d\d:\d\d\b"), "CLOCK"),  # a time of day (the attach line's)
     (re.compile(r"\(\d+ % of"), "(PCT % of"),  # a profile's share of the cell: measured too
     # live usage in status tables (RSS and CPU %, or GPU memory and utilization) varies
     (re.compile(r"\s*·\s*(RSS \S+ \S+|CPU \d+%|[\d.]+ \S+ of [\d.]+ \S+|util \d+%)"), ""),
