@@ -385,3 +385,33 @@ def _swap_link(ww: str, ours: str, theirs: str, rounds: int) -> int:
         os.symlink(ours if i % 2 else theirs, f"{link}.tmp")
         os.replace(f"{link}.tmp", link)
     return rounds
+
+
+def test_two_kernels_starting_one_name_at_once_one_wins(tmp_path):
+    """Issue 48: two kernels that started --name X at the same moment could both succeed
+    (the name was claimed only after the start). Both cells are sent before either runs."""
+    name = f"kr-{secrets.token_hex(3)}"
+    code = (
+        "import infini_notebook\n"
+        "try:\n"
+        f"    dist_session = infini_notebook.start(nprocs=2, name={name!r}, keep='1m')\n"
+        "    said = 'started'\n"
+        "except Exception as e:\n"
+        "    said = f'{type(e).__name__}: {e}'\n"
+        "open({path!r}, 'w').write(said)\n"
+    )
+    with fresh_kernel() as a, fresh_kernel() as b:
+        paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+        for cells, path in zip((a, b), paths):
+            cells.client.kc.execute(code.replace("{path!r}", repr(path)))  # not waited for
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(p) and open(p).read() for p in paths):
+            assert time.monotonic() - deadline < 0, [os.path.exists(p) for p in paths]
+            time.sleep(0.1)
+        said = [open(p).read() for p in paths]
+        assert sorted(s == "started" for s in said) == [False, True], said
+        lost = next(s for s in said if s != "started")
+        assert lost.startswith("DistUsageError: A kept session named") and "\n" not in lost, lost
+        assert "is being started by kernel pid" in lost or "runs already" in lost, lost
+        winner = (a, b)[said.index("started")]
+        winner.run("dist_session.stop()")
