@@ -283,6 +283,19 @@ def test_a_hard_restart_after_attach_keeps_the_session():
                 assert "autoreload on" in said, said
                 assert "on" in text_of(cells.run("print(dist_session.autoreload_state())"))
                 cells.run("%dist_autoreload off")
+        # a hard restart that fails (here: injected as its engines come up) says which step
+        # and keeps the kept session; the next one works
+        cells.run(
+            "from infini_notebook.launch import startup as _st\n_up = _st.bring_up\n"
+            "def _fail(*a, **k):\n    raise RuntimeError('injected')\n_st.bring_up = _fail"
+        )
+        out = text_of(cells.run("%dist_restart --hard", allow_error=True))
+        assert "Hard restart failed while bringing up the new engines" in out, out
+        assert "injected" in out and f"The kept session {name!r} stays" in out, out
+        cells.run("_st.bring_up = _up")
+        assert name in text_of(cells.run("%dist_sessions"))
+        out = text_of(cells.run("%dist_restart --hard", timeout=180))
+        assert "Restarted (engines restarted)" in out, out
         listed = text_of(cells.run("%dist_sessions"))
         assert name in listed and f"kernel pid {cells.kernel_pid}" in listed, listed
         assert listed.count(name) == 1 and "evil" not in listed, listed

@@ -218,8 +218,8 @@ def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, tmp_pa
     assert "[rank 1] hi Ada" in "".join(ui.shown.values()) and time.monotonic() - t0 < 20
 
 
-# Deletes the first answer to a rank's prompt as soon as the kernel writes it (waiting on its
-# key as the rank's 50 ms poll cannot), and says whether it got there first.
+# Deletes every answer to a rank's prompt for 2 s once the question is there (a tight loop:
+# the rank's 50 ms poll never sees one), and says how many it deleted.
 DELETER = r"""
 import json, sys, time
 from datetime import timedelta
@@ -235,10 +235,12 @@ while time.time() < deadline:
         line = [x for x in store.get(log).decode(errors="replace").splitlines() if "{" in x][0]
         qid = json.loads(line[line.index("{"):])["id"]
         answer = log.replace("stdin/asks", "stdin/answer/" + qid)
-        store.wait([answer], timedelta(seconds=20))
-        print("deleted" if store.delete_key(answer) else "too late", flush=True)
+        deleted, t0 = 0, time.time()
+        while time.time() - t0 < 2:
+            deleted += store.delete_key(answer)
+        print("deleted", deleted, flush=True)
         break
-    time.sleep(0.005)
+    time.sleep(0.002)
 """
 
 
@@ -253,8 +255,58 @@ def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
     ui = Frontend(kernel, ["Ada"], think_s=1.0)
     t0 = time.monotonic()
     assert ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)") == "ok"
-    assert deleter.communicate(timeout=30)[0].strip() == "deleted"
+    said = deleter.communicate(timeout=30)[0].split()
+    assert said[0] == "deleted" and int(said[1]) >= 1, said
     shown = "".join(ui.shown.values())
     assert "[rank 0] hello Ada" in shown, shown
     assert shown.count("rank 0's answer was tampered with in the store; sent again") == 1, shown
     assert time.monotonic() - t0 < 20
+
+
+# Deletes the stdin question log as soon as a question is in it, then floods the question's
+# answer key with unsigned answers for 3 s.
+FLOODER = r"""
+import json, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+print("ready", flush=True)
+deadline = time.time() + 30
+while time.time() < deadline:
+    logs = [k for k in store.list_keys() if str(k).endswith("stdin/asks")]
+    if logs:
+        log = logs[0].decode() if isinstance(logs[0], bytes) else logs[0]
+        text = store.get(log).decode(errors="replace")
+        store.delete_key(log)
+        line = [x for x in text.splitlines() if "{" in x][0]
+        qid = json.loads(line[line.index("{"):])["id"]
+        answer = log.replace("stdin/asks", "stdin/answer/" + qid)
+        sent, t0 = 0, time.time()
+        while time.time() - t0 < 3:
+            store.set(answer, "0" * 64 + json.dumps({"value": "EVIL"}))
+            sent += 1
+            time.sleep(0.02)
+        print("deleted the question, sent", sent, flush=True)
+        break
+    time.sleep(0.002)
+"""
+
+
+def test_a_deleted_question_is_asked_again_and_a_flood_is_said_once(kernel, two):
+    """Issue 49: a prompt's question deleted from the store was lost for good (the prompt
+    hung until Stop), and every forged answer printed a line on the rank."""
+    port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    assert flooder.stdout.readline().strip() == "ready"
+    ui = Frontend(kernel, ["Ada"], think_s=0.5)
+    t0 = time.monotonic()
+    assert ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)") == "ok"
+    said = flooder.communicate(timeout=30)[0]
+    assert said.startswith("deleted the question, sent"), said
+    shown = "".join(ui.shown.values())
+    assert "[rank 0] hello Ada" in shown and "EVIL" not in shown, shown
+    assert shown.count("an unsigned answer to rank 0's prompt was ignored") == 1, shown
+    assert time.monotonic() - t0 < 30

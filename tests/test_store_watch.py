@@ -190,7 +190,7 @@ def test_a_heartbeat_deleted_every_100ms_never_ends_the_rank(capfd):
     try:
         assert watcher.stdout.readline().strip() == "watching"
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 8:
+        while time.monotonic() - t0 < 6.5:  # over 2 windows
             keys.delete_key(ALIVE_KEY)
             time.sleep(0.1)
         assert watcher.poll() is None, watcher.stderr.read()

@@ -72,7 +72,9 @@ def install_stack_dumper(cfg: dict) -> None:
                 time.sleep(1.0)
                 continue
             try:
-                raw = store.get(inbox)
+                raw = peek(store, inbox)
+                if raw is None:  # deleted by someone else meanwhile
+                    continue
                 store.delete_key(inbox)
                 asked = signing.unpack_question(key, inbox, raw, rank)
                 if asked is None:  # not the kernel's: dropped
@@ -335,6 +337,19 @@ def session_root(token: str) -> str:
     return f"infini-{token}"
 
 
+_ABSENT = b"\x00infini-absent\x00"  # no message of ours is this
+
+
+def peek(store, key: str) -> bytes | None:
+    """The value under ``key`` now, or None when there is none: never the wait of ``get``,
+    which blocks for the client's whole timeout (up to 300 s) when someone deletes the key
+    between a ``check`` and the ``get``. c10d's compare_set on a missing key with a
+    non-empty expected value returns that value and sets nothing (TCPStore's
+    compareSetHandler, torch 2.13: torch/csrc/distributed/c10d/TCPStoreBackend.cpp)."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT else value
+
+
 def session_store(cfg: dict, timeout: timedelta):
     """A client of the kernel's store that sees only this session's keys."""
     import torch.distributed as dist
@@ -385,7 +400,7 @@ def watch_store(
                     continue
             try:
                 store.wait([ALIVE_KEY], timedelta(seconds=2 * every))
-                raw = store.get(ALIVE_KEY)
+                raw = peek(store, ALIVE_KEY)
             except Exception as e:
                 if "imeout" in str(e):  # waited: no key (deleted?): look again
                     fresh.take(None, time.monotonic())
@@ -393,7 +408,8 @@ def watch_store(
                     fresh.unreachable(str(e))
                     store = None
                 continue
-            if fresh.take(heartbeat.read_beat(mac_key, raw), time.monotonic()):
+            beat = heartbeat.read_beat(mac_key, raw) if raw is not None else None
+            if fresh.take(beat, time.monotonic()):
                 time.sleep(every / 2)  # the next beat is not due before
             else:
                 time.sleep(min(every / 4, 0.25))

@@ -162,11 +162,8 @@ def ask(prompt: str, password: bool = False) -> str:
     log = prompt_key("asks")
     # a newline before as well: stray bytes someone else appended form a line of their own
     store.append(log, b"\n" + signing.sign(mac_key, log, json.dumps(question)) + b"\n")
-    again = (
-        b"\n"
-        + signing.sign(mac_key, log, json.dumps({"id": n, "rank": question["rank"], "again": True}))
-        + b"\n"
-    )
+    # the whole question again: one whose line someone deleted is asked anew
+    again = b"\n" + signing.sign(mac_key, log, json.dumps(dict(question, again=True))) + b"\n"
     reply = _signed_answer(
         store, mac_key, prompt_key("answer", n), lambda: store.append(log, again)
     )
@@ -189,23 +186,28 @@ def _signed_answer(store, mac_key: str, key: str, ask_again) -> dict:
     (another local user writing into the store) is dropped and said, and the wait goes on.
     Every AGAIN_S without one, ``ask_again()``: an answer the kernel gave that someone
     deleted from the store is sent again (one not given yet waits for the user)."""
+    from .rank_services import peek
+
+    told = False
     while True:
         try:
             waited = time.monotonic()
-            while not store.check([key]):
+            while (raw := peek(store, key)) is None:
                 time.sleep(POLL_S)  # SIGINT (an interrupt of the whole cell) raises here
                 if time.monotonic() - waited > AGAIN_S:
                     ask_again()
                     waited = time.monotonic()
         except KeyboardInterrupt:
             raise _stop("interrupted at the prompt") from None
-        body = signing.verify(mac_key, key, store.get(key))
+        body = signing.verify(mac_key, key, raw)
         store.delete_key(key)
         if body is not None:
             return json.loads(body)
-        rank = _state["cfg"]["rank"]
-        print(f"infini_notebook: an unsigned answer to rank {rank}'s prompt was ignored",
-              file=sys.stderr, flush=True)  # fmt: skip
+        if not told:  # once per prompt: a flood of forgeries is no flood of lines
+            told = True
+            rank = _state["cfg"]["rank"]
+            print(f"infini_notebook: an unsigned answer to rank {rank}'s prompt was ignored",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _stop(why: str) -> BaseException:

@@ -23,14 +23,16 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self, connect, key: str, every: float) -> None:
-        seq, told = 0, False
+        # counted from the time, not from 0: beats of a later writer (another kernel)
+        # must be newer than any a rank took before
+        seq, told, beaten = time.time_ns(), False, False
         try:
             store = connect()
         except Exception:  # the store is closing with the session
             return
         while not self._stopped.is_set():
             try:
-                if seq and not told and not store.check([ALIVE_KEY]):
+                if beaten and not told and not store.check([ALIVE_KEY]):
                     told = True
                     print(
                         "infini_notebook: the session's heartbeat was deleted from its store "
@@ -40,6 +42,7 @@ class Heartbeat:
                     )
                 seq += 1
                 store.set(ALIVE_KEY, beat(key, seq, time.time()))
+                beaten = True
             except Exception:  # the store is closing with the session
                 pass
             self._stopped.wait(every)

@@ -21,6 +21,8 @@ from ..engine import rank_services
 from ..engine.stdin_relay import prompt_key
 from .heartbeat import Heartbeat
 
+ASKS_CAP = 4 << 20  # the stdin question log: a flood past this is dropped whole
+
 
 class Rendezvous:
     def __init__(self, plan: SessionPlan, kept=None):
@@ -192,8 +194,8 @@ class Rendezvous:
                 pass
             out: dict[int, str] = {}
             for r, key in keys.items():
-                if store.check([key]):
-                    raw = store.get(key)
+                raw = rank_services.peek(store, key)
+                if raw is not None:
                     store.delete_key(key)  # one answer per question, taken once
                     qid, kind = answers[r]
                     body = signing.unpack_answer(self.mac_key, key, raw, qid, r, kind)
@@ -226,9 +228,15 @@ class Rendezvous:
         asked: ``[(id, question)]``, each to be answered with ``answer_prompt(id, reply)``.
         The questions are one appended log: whole lines only, from where we stopped."""
         store, key = self._keys, prompt_key("asks")
-        if store is None or not store.check([key]):
+        written = rank_services.peek(store, key) if store is not None else None
+        if written is None:
+            self._prompted = 0  # deleted: a new log begins (ranks waiting ask again)
             return []
-        written = store.get(key)
+        if len(written) > ASKS_CAP:  # flooded: dropped whole; ranks that wait ask again
+            store.delete_key(key)
+            self._prompted = 0
+            self._forged("a flood of the stdin question log (dropped whole)")
+            return []
         if len(written) < self._prompted:  # the log was deleted and begun anew meanwhile
             self._prompted = 0
         end = written.rfind(b"\n") + 1
@@ -242,7 +250,7 @@ class Rendezvous:
             except (ValueError, KeyError, TypeError):  # not a question our ranks wrote
                 self._forged("an unsigned question for stdin")
                 continue
-            if question.get("again"):  # our answer never reached the rank: sent again
+            if question.get("again") and n in self._answered:  # our answer never reached it
                 self._answer_again(n, question)
                 continue
             if n not in self._asked:  # a question replayed into the log is asked once
@@ -301,8 +309,9 @@ class Rendezvous:
         try:
             for r in ranks:
                 key = rank_services.telemetry_key(r)
-                if store.check([key]):  # get would wait for a rank that has not reported yet
-                    body = signing.verify(self.mac_key, key, store.get(key))
+                raw = rank_services.peek(store, key)  # None: not reported yet
+                if raw is not None:
+                    body = signing.verify(self.mac_key, key, raw)
                     if body is None:
                         self._forged(f"an unsigned telemetry snapshot of rank {r}")
                         continue
