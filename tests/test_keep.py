@@ -243,7 +243,7 @@ def test_a_kept_session_nobody_attaches_ends_itself_and_names_are_checked():
         assert not os.path.exists(folder)
 
 
-HARD_ROUNDS = int(os.environ.get("INFINI_HARD_ROUNDS", "3"))  # 20 in the stress run
+HARD_ROUNDS = int(os.environ.get("INFINI_HARD_ROUNDS", "2"))  # 20 in the stress run
 
 
 def test_a_hard_restart_after_attach_keeps_the_session():
@@ -258,20 +258,22 @@ def test_a_hard_restart_after_attach_keeps_the_session():
     with attacker_in_tmpdir(name) as attack, fresh_kernel() as cells:
         cells.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=180)
         folder = folder_of(cells)
-        attack.start(folder)
         for round in range(HARD_ROUNDS):
-            case = ("spares", "a dead rank", "autoreload")[round % 3]
+            # the earlier kernel's spares every round; a rank dead while detached and
+            # autoreload on every other one
+            case = ("spares", "a dead rank, autoreload")[round % 2]
             spares = text_of(cells.run(SPARES, timeout=90)).strip()
             assert spares.startswith("[") and spares != "[]", spares  # the earlier kernel's
-            if case == "autoreload":
+            if "autoreload" in case:
                 cells.run("%dist_autoreload on")
             rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
+            attack.start(folder)  # 1,000 link swaps while the kernel restarts and attaches
             restart(cells)
-            if case == "a dead rank":
+            if "dead" in case:
                 psutil.Process(rank1).kill()
             said = text_of(cells.run(f"%dist_attach {name}"))
             assert "was detached" in said, said
-            if case == "a dead rank":
+            if "dead" in case:
                 assert "rank 1 died while detached" in said, said
             out = text_of(cells.run("%dist_restart --hard", timeout=180, allow_error=True))
             assert "Restarted (engines restarted)" in out, (case, out)
@@ -279,7 +281,7 @@ def test_a_hard_restart_after_attach_keeps_the_session():
                 cells.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
             )
             assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out, (case, out)
-            if case == "autoreload":
+            if "autoreload" in case:
                 assert "autoreload on" in said, said
                 assert "on" in text_of(cells.run("print(dist_session.autoreload_state())"))
                 cells.run("%dist_autoreload off")
@@ -341,9 +343,10 @@ class attacker_in_tmpdir:
         from other_user import as_other
 
         def race():
-            while not self.stop_event.is_set():
-                as_other(_swap_link, self.ww, ours, self.evil, 1000, timeout=120)
+            as_other(_swap_link, self.ww, ours, self.evil, 1000, timeout=120)
 
+        if getattr(self, "thread", None) is not None:
+            self.thread.join(120)
         self.thread = threading.Thread(target=race, daemon=True)
         self.thread.start()
 

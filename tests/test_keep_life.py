@@ -90,7 +90,7 @@ def stop_seconds(out: str) -> float:
 def test_lost_kernels_freeze_quietly_detach_keeps_and_stops_end_everything():
     name = f"kl-{secrets.token_hex(3)}"
     with fresh_kernel() as first, fresh_kernel() as second, fresh_kernel() as third:
-        first.run(f"%dist_start --nprocs 4 --name {name} --keep 2m", timeout=240)
+        first.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=240)
         first.run("%%dist\nx = rank * 10 + 1")
         folder = folder_of(first)
         heard = Listener(first)
@@ -121,12 +121,12 @@ def test_lost_kernels_freeze_quietly_detach_keeps_and_stops_end_everything():
         assert "detached session" in message(out), text_of(out)
         said = text_of(third.run(f"%dist_attach {name}"))
         assert "was detached" in said, said
-        assert "[rank 3] 31" in text_of(third.run("%%dist\nprint(x)"))
+        assert "[rank 1] 11" in text_of(third.run("%%dist\nprint(x)"))
 
         # %dist_stop of the attached session (the first kernel, which started its
         # processes, lives on): every process ends; the lost kernel stays quiet
         out = text_of(third.run(TIMED_STOP.format(name="")))
-        FAULT_TIMINGS["keep: %dist_stop after attach, 4 ranks"] = stop_seconds(out)
+        FAULT_TIMINGS["keep: %dist_stop after attach, 2 ranks"] = stop_seconds(out)
         assert wait_until_gone(folder, 15) == []
         heard.listen(QUIET_S)
         assert heard.c10d_text() == [], heard.c10d_text()[:2]
@@ -136,13 +136,13 @@ def test_lost_kernels_freeze_quietly_detach_keeps_and_stops_end_everything():
         # %dist_stop NAME from a kernel that does not drive it: the driving kernel's tiles
         # freeze saying so, and nothing of c10d reaches it
         name = f"kl-{secrets.token_hex(3)}"
-        first.run(f"%dist_start --nprocs 4 --name {name} --keep 2m", timeout=240)
+        first.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=240)
         folder = folder_of(first)
         heard = Listener(first)
         heard.run("%dist_status")
         out = text_of(second.run(TIMED_STOP.format(name=name)))
         assert f"Session {name!r} stopped." in out, out
-        FAULT_TIMINGS["keep: %dist_stop NAME, 4 ranks"] = stop_seconds(out)
+        FAULT_TIMINGS["keep: %dist_stop NAME, 2 ranks"] = stop_seconds(out)
         assert wait_until_gone(folder, 15) == []
         line = heard.until("stopped from another kernel at")
         assert line.startswith(f"session {name!r} stopped"), line

@@ -314,3 +314,23 @@ def test_the_place_is_made_0700_all_the_way_whatever_the_umask(tmp_path, monkeyp
         os.umask(old)
     for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "p"):
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+
+
+def test_sessions_that_are_ending_are_not_listed(place):
+    """Issue 48: %dist_sessions listed sessions that had just ended ("ends in 0s, 0 B"): one
+    told to end, and one detached past its keep time, are not live."""
+    from infini_notebook.launch.watchdog import DETACHED, LEASE
+
+    ending = _fake_session(place, "ending", _me(), tag="e")
+    keep.write_private(
+        os.path.join(ending, LEASE), json.dumps({"keep_s": 60, "end": True}).encode()
+    )
+    late = _fake_session(place, "late", _me(), tag="l")
+    keep.write_private(os.path.join(late, LEASE), json.dumps({"keep_s": 60}).encode())
+    keep.write_private(os.path.join(late, DETACHED), repr(time.time() - 61).encode())
+    waiting = _fake_session(place, "waiting", _me(), tag="w")
+    keep.write_private(os.path.join(waiting, LEASE), json.dumps({"keep_s": 60}).encode())
+    keep.write_private(os.path.join(waiting, DETACHED), repr(time.time() - 30).encode())
+    assert list(keep.kept_sessions()) == ["waiting"]
+    row = keep.describe(keep.find("waiting"))
+    assert row["driver"].startswith("detached, ends in 2") or "ends in 3" in row["driver"], row

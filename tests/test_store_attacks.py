@@ -1,9 +1,10 @@
-"""Another local process writes into the kernel's TCPStore, as issue 44's attacker did: it
-knows only the store's port (/proc/net/tcp shows it to every user), lists the keys
-(``TCPStore.list_keys()``) and writes answers and questions of its own. None of them may
-change what a rank does: each is dropped and said in one line. The store cannot tell users
-apart, so the attacker runs as a separate process of this user (the venv's interpreter is
-not readable by another uid here); what it can reach is the same.
+"""Another local user writes into the kernel's TCPStore, as issue 44's and 49's attackers
+did: it knows only the store's port (/proc/net/tcp shows it to every user), lists the keys
+(``TCPStore.list_keys()``), reads them, deletes them and writes answers and questions of its
+own. None of them may change what a rank does or hang it: each is dropped and said in one
+line. The attacker runs as uid 65534 where the tests run as root and that user can run the
+venv's interpreter; else as a separate process of this user (the store cannot tell users
+apart: what it can reach is the same).
 
 In a real kernel on 2 CPU ranks, driven as a front end does (answers typed after a pause,
 so the forgery is there first)."""
@@ -16,6 +17,7 @@ import time
 
 import pytest
 from conftest import Frontend, text_of, use_session
+from other_user import popen_as_other
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,11 +71,32 @@ def two(kernel):
     use_session(kernel, "--nprocs 2")
 
 
+OTHER = popen_as_other()  # uid 65534 where it can
+
+
+def attacker(code: str, *args) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **OTHER,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def drop_box():
+    """A folder the attacker may write (what it recorded), removed afterwards."""
+    import os
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="inb-attacker-", dir="/tmp")
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def attack(kernel, what: str) -> subprocess.Popen:
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
-    return subprocess.Popen(
-        [sys.executable, "-c", ATTACKER, str(port), what], stdout=subprocess.PIPE, text=True
-    )
+    return attacker(ATTACKER, port, what)
 
 
 def test_a_forged_answer_at_input_is_ignored_and_said(kernel, two):
@@ -116,7 +139,7 @@ def test_a_forged_question_to_a_rank_is_not_acted_on(kernel, two, what):
 # knows only the port would; "record" prints whether ``needle`` was ever seen in plain text and
 # saves what it saw; "replay" writes every saved key back.
 RECORDER = r"""
-import json, pickle, sys, time
+import json, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 
@@ -124,14 +147,15 @@ port, mode, needle, path = int(sys.argv[1]), sys.argv[2], sys.argv[3].encode(), 
 seconds = float(sys.argv[5])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
 if mode == "replay":
-    saved = pickle.load(open(path, "rb"))
+    saved = json.load(open(path))
     for k, v in saved.items():
-        store.set(k, v)
+        store.set(k, bytes.fromhex(v))
     print("replayed", len(saved), flush=True)
     sys.exit()
+import select
 seen, found, waited, deadline = {}, False, set(), time.time() + seconds
 print("reading", flush=True)
-while time.time() < deadline:
+while time.time() < deadline and not select.select([sys.stdin], [], [], 0)[0]:  # "stop"
     for k in store.list_keys():
         k = k.decode() if isinstance(k, bytes) else k
         try:
@@ -151,15 +175,14 @@ while time.time() < deadline:
         except Exception:
             pass
     time.sleep(0.01)
-pickle.dump(seen, open(path, "wb"))
+json.dump({k: v.hex() for k, v in seen.items()}, open(path, "w"))
 print("found" if found else "not found", len(seen), len(waited), flush=True)
 """
 
 
 def recorder(kernel, mode: str, needle: str, path, seconds: float = 0) -> subprocess.Popen:
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
-    args = [sys.executable, "-c", RECORDER, str(port), mode, needle, str(path), str(seconds)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    proc = attacker(RECORDER, port, mode, needle, path, seconds)
     if mode == "record":
         assert proc.stdout.readline().strip() == "reading"
     return proc
@@ -174,24 +197,24 @@ def recorder(kernel, mode: str, needle: str, path, seconds: float = 0) -> subpro
     ],
     ids=["input", "getpass", "pdb"],
 )
-def test_nothing_the_user_types_can_be_read_in_the_store(kernel, two, tmp_path, code, answers):
+def test_nothing_the_user_types_can_be_read_in_the_store(kernel, two, drop_box, code, answers):
     """Issue 49: input() answers crossed the store in plain text ({"value": "hunter2"}), and
     pdb commands too; only getpass answers were sealed."""
-    reader = recorder(kernel, "record", "hunter2", tmp_path / "seen.pickle", seconds=6)
+    reader = recorder(kernel, "record", "hunter2", f"{drop_box}/seen.json", seconds=30)
     ui = Frontend(kernel, answers, think_s=0.5)
     assert ui.run(f"%%dist --ranks 0\n{code}") == "ok"
-    said = reader.communicate(timeout=30)[0].split()
+    said = reader.communicate("stop\n", timeout=30)[0].split()
     # it read the keys and every answer as the rank did, never the text
     assert said[0] == "not" and int(said[-2]) > 0 and int(said[-1]) == len(answers), said
     assert "Traceback" not in "".join(ui.shown.values())
 
 
-def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, tmp_path):
+def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, drop_box):
     """Issue 49: a rank's signed stack answer, written back with the counter rolled back,
     made %dist_stacks of the idle rank show the old cell's function. Every key and value
     recorded while a cell runs (and %dist_stacks answers), written back after it: the next
     %dist_stacks shows the ranks as they are, and answers within its time."""
-    reader = recorder(kernel, "record", "-", tmp_path / "seen.pickle", seconds=5)
+    reader = recorder(kernel, "record", "-", f"{drop_box}/seen.json", seconds=30)
     kernel.run(
         "%%dist --background\nimport time\ndef old_cells_function():\n    time.sleep(3)\n"
         "old_cells_function()"
@@ -199,12 +222,12 @@ def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, tmp_pa
     deadline = time.monotonic() + 30
     while "old_cells_function" not in (stacks := text_of(kernel.run("%dist_stacks"))):
         assert time.monotonic() < deadline, stacks
-    reader.communicate(timeout=30)
+    reader.communicate("stop\n", timeout=30)
     deadline = time.monotonic() + 30
     while "idle: no cell running" not in text_of(kernel.run("%dist_stacks --ranks 0")):
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    said = recorder(kernel, "replay", "-", tmp_path / "seen.pickle").communicate(timeout=30)[0]
+    said = recorder(kernel, "replay", "-", f"{drop_box}/seen.json").communicate(timeout=30)[0]
     assert said.startswith("replayed"), said
     t0 = time.monotonic()
     stacks = text_of(kernel.run("%dist_stacks"))
@@ -248,9 +271,7 @@ def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
     """Issue 49 item 4: a question whose answer was deleted never hangs; it is asked again,
     and the kernel says so once."""
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
-    deleter = subprocess.Popen(
-        [sys.executable, "-c", DELETER, str(port)], stdout=subprocess.PIPE, text=True
-    )
+    deleter = attacker(DELETER, port)
     assert deleter.stdout.readline().strip() == "ready"
     ui = Frontend(kernel, ["Ada"], think_s=1.0)
     t0 = time.monotonic()
@@ -297,9 +318,7 @@ def test_a_deleted_question_is_asked_again_and_a_flood_is_said_once(kernel, two)
     """Issue 49: a prompt's question deleted from the store was lost for good (the prompt
     hung until Stop), and every forged answer printed a line on the rank."""
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
-    flooder = subprocess.Popen(
-        [sys.executable, "-c", FLOODER, str(port)], stdout=subprocess.PIPE, text=True
-    )
+    flooder = attacker(FLOODER, port)
     assert flooder.stdout.readline().strip() == "ready"
     ui = Frontend(kernel, ["Ada"], think_s=0.5)
     t0 = time.monotonic()
@@ -309,4 +328,31 @@ def test_a_deleted_question_is_asked_again_and_a_flood_is_said_once(kernel, two)
     shown = "".join(ui.shown.values())
     assert "[rank 0] hello Ada" in shown and "EVIL" not in shown, shown
     assert shown.count("an unsigned answer to rank 0's prompt was ignored") == 1, shown
+    assert time.monotonic() - t0 < 30
+
+
+FAILING = (
+    "%%dist\nimport time\nif rank == 1:\n    time.sleep(0.5)\n    raise ValueError('boom')\n"
+    "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())"
+)
+
+
+def test_a_replayed_release_and_abort_are_not_acted_on(kernel, two, drop_box):
+    """Issue 49: release and abort questions had the counter's shape too. Every key recorded
+    while rank 1 fails and rank 0 is released from its all_reduce, written back after the
+    groups were rebuilt: the next collective is not released, and a new failure is
+    released as before, within its time."""
+    reader = recorder(kernel, "record", "-", f"{drop_box}/seen.json", seconds=30)
+    out = text_of(kernel.run(FAILING, allow_error=True))
+    assert "boom" in out and "released" in out, out
+    reader.communicate("stop\n", timeout=30)
+    said = recorder(kernel, "replay", "-", f"{drop_box}/seen.json").communicate(timeout=30)[0]
+    assert said.startswith("replayed"), said
+    out = text_of(
+        kernel.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())")
+    )
+    assert "[rank 0] sum 2.0" in out and "[rank 1] sum 2.0" in out, out
+    t0 = time.monotonic()
+    out = text_of(kernel.run(FAILING, allow_error=True))
+    assert "boom" in out and "released" in out, out
     assert time.monotonic() - t0 < 30
