@@ -334,3 +334,22 @@ def test_sessions_that_are_ending_are_not_listed(place):
     assert list(keep.kept_sessions()) == ["waiting"]
     row = keep.describe(keep.find("waiting"))
     assert row["driver"].startswith("detached, ends in 2") or "ends in 3" in row["driver"], row
+
+
+@needs_root
+def test_engines_refuse_a_shared_tmpdir_without_the_sticky_bit(shared_folder, monkeypatch):
+    """From the attack review: an mpiexec or Slurm engine (and autoreload's copy on another
+    host) made its folder in TMPDIR and used it by path; in a folder others may write without
+    the sticky bit, uid 65534 renamed it away and put one with its ipengine_config.py in its
+    place. Such a TMPDIR is refused in one line; /tmp (sticky) serves."""
+    import tempfile
+
+    from infini_notebook.engine import remote_start
+
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_folder(0o777)))
+    with pytest.raises(remote_start.Refused, match="not sticky.*set TMPDIR"):
+        remote_start.prepare("make", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_folder(0o1777)))
+    folder, args = remote_start.prepare("make", {})
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and args
+    os.rmdir(folder)

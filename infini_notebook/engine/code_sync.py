@@ -133,7 +133,10 @@ def _make_folder(parent: str | None) -> str:
     if parent:
         folder = os.path.join(parent, f"code-rank{bootstrap_rank()}-{os.getpid()}")
         os.mkdir(folder, 0o700)
-    else:
+    else:  # not where another user could swap the copy for theirs (see remote_start)
+        from .remote_start import refuse_shared_tmp
+
+        refuse_shared_tmp(tempfile.gettempdir())
         folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}code-")
     _state["folder"] = folder
     atexit.register(remove_copy)

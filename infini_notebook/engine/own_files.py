@@ -32,6 +32,28 @@ def folder_problem(st: os.stat_result, uid: int, private: bool = True) -> str | 
     return None
 
 
+def untrusted_ancestor(path: str) -> str | None:
+    """Why another user could replace what lies under ``path`` (a folder on the way that is
+    theirs, or that others may write and is not sticky), or None."""
+    uid = os.geteuid()
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(1, len(parts) + 1):
+        step = os.sep + os.path.join(*parts[1:i]) if i > 1 else os.sep
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return None  # made by us from here on
+        except OSError as e:
+            return f"{step}: {e.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{step} is a symbolic link"
+        if st.st_uid not in (0, uid):
+            return f"{step} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{step} may be written by others and is not sticky"
+    return None
+
+
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 
-from .own_files import folder_problem
+from .own_files import folder_problem, untrusted_ancestor
 
 FOLDER_ENV = "INFINI_ENGINE_FOLDER"
 
@@ -45,12 +45,14 @@ def prepare(mode: str, environ) -> tuple[str, list[str]]:
     from ..launch.watchdog import FOLDER_PREFIX
 
     if mode == "make":
+        refuse_shared_tmp(tempfile.gettempdir())
         folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         return folder, [f"--ProfileDir.location={os.path.join(folder, 'profile')}"]
     if mode != "check":
         raise Refused(f"unknown mode {mode!r} (make or check)")
     profile = os.path.normpath(environ.get("IPP_PROFILE_DIR", "") or ".")
     folder = os.path.dirname(profile)
+    refuse_shared_tmp(os.path.dirname(folder))
     for path, private in ((folder, True), (profile, False)):
         try:
             problem = folder_problem(os.lstat(path), os.geteuid(), private)
@@ -59,6 +61,18 @@ def prepare(mode: str, environ) -> tuple[str, list[str]]:
         if problem:
             raise Refused(f"its profile folder {path} {problem}")
     return folder, []
+
+
+def refuse_shared_tmp(parent: str) -> None:
+    """Refused when another user could rename our folder in ``parent`` away and put one of
+    theirs in its place (a folder they own, or one others may write without the sticky bit,
+    on the way): ipengine would then run their ipengine_config.py. /tmp (sticky) passes."""
+    problem = untrusted_ancestor(parent)
+    if problem:
+        raise Refused(
+            f"its temporary folder {parent} is not safe ({problem}); set TMPDIR to a folder "
+            "of your own on that host"
+        )
 
 
 def remove_own_folder() -> bool:

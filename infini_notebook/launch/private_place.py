@@ -26,7 +26,6 @@ import os
 import re
 import secrets
 import socket
-import stat
 import tempfile
 
 import psutil
@@ -79,7 +78,7 @@ def place() -> str:
 
 def _make(path: str) -> str | None:
     """Make ``path`` (0700) if missing; why it cannot serve, or None."""
-    problem = untrusted_ancestor(os.path.dirname(path))
+    problem = own_files.untrusted_ancestor(os.path.dirname(path))
     if problem:
         return problem
     try:
@@ -99,7 +98,7 @@ def _make(path: str) -> str | None:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        problem = untrusted_ancestor(os.path.dirname(path))
+        problem = own_files.untrusted_ancestor(os.path.dirname(path))
         if problem:
             return problem
         os.close(own_files.open_folder(path))
@@ -107,28 +106,6 @@ def _make(path: str) -> str | None:
         return str(e)
     except OSError as e:
         return f"{path}: {e.strerror}"
-    return None
-
-
-def untrusted_ancestor(path: str) -> str | None:
-    """Why another user could replace what lies under ``path`` (a folder on the way that is
-    theirs, or that others may write and is not sticky), or None."""
-    uid = os.geteuid()
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(1, len(parts) + 1):
-        step = os.sep + os.path.join(*parts[1:i]) if i > 1 else os.sep
-        try:
-            st = os.lstat(step)
-        except FileNotFoundError:
-            return None  # made by us from here on
-        except OSError as e:
-            return f"{step}: {e.strerror}"
-        if stat.S_ISLNK(st.st_mode):
-            return f"{step} is a symbolic link"
-        if st.st_uid not in (0, uid):
-            return f"{step} belongs to uid {st.st_uid}"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return f"{step} may be written by others and is not sticky"
     return None
 
 
