@@ -241,9 +241,9 @@ def test_a_whole_store_replayed_after_a_cell_is_not_believed(kernel, two, drop_b
     assert "[rank 1] hi Ada" in "".join(ui.shown.values()) and time.monotonic() - t0 < 20
 
 
-# Deletes every answer to a rank's prompt for 2 s once the question is there (a tight loop:
-# the rank's 50 ms poll never sees one), and says how many it deleted.
-DELETER = r"""
+# The first question for stdin as the attacker sees it: waits for the question log, then
+# knows ``store``, ``log`` and the question's ``answer`` key. The attacks below follow it.
+FIRST_QUESTION = r"""
 import json, sys, time
 from datetime import timedelta
 import torch.distributed as dist
@@ -251,20 +251,25 @@ import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
 print("ready", flush=True)
 deadline = time.time() + 30
-while time.time() < deadline:
-    logs = [k for k in store.list_keys() if str(k).endswith("stdin/asks")]
-    if logs:
-        log = logs[0].decode() if isinstance(logs[0], bytes) else logs[0]
-        line = [x for x in store.get(log).decode(errors="replace").splitlines() if "{" in x][0]
-        qid = json.loads(line[line.index("{"):])["id"]
-        answer = log.replace("stdin/asks", "stdin/answer/" + qid)
-        deleted, t0 = 0, time.time()
-        while time.time() - t0 < 2:
-            deleted += store.delete_key(answer)
-        print("deleted", deleted, flush=True)
-        break
+while not (logs := [k for k in store.list_keys() if str(k).endswith("stdin/asks")]):
+    assert time.time() < deadline
     time.sleep(0.002)
+log = logs[0].decode() if isinstance(logs[0], bytes) else logs[0]
+line = [x for x in store.get(log).decode(errors="replace").splitlines() if "{" in x][0]
+answer = log.replace("stdin/asks", "stdin/answer/" + json.loads(line[line.index("{"):])["id"])
 """
+
+# Deletes every answer to that prompt for 2 s (a tight loop: the rank's 50 ms poll never
+# sees one), and says how many it deleted.
+DELETER = (
+    FIRST_QUESTION
+    + r"""
+deleted, t0 = 0, time.time()
+while time.time() - t0 < 2:
+    deleted += store.delete_key(answer)
+print("deleted", deleted, flush=True)
+"""
+)
 
 
 def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
@@ -284,34 +289,20 @@ def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
     assert time.monotonic() - t0 < 20
 
 
-# Deletes the stdin question log as soon as a question is in it, then floods the question's
+# Deletes the question log as soon as a question is in it, then floods the question's
 # answer key with unsigned answers for 3 s.
-FLOODER = r"""
-import json, sys, time
-from datetime import timedelta
-import torch.distributed as dist
-
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
-print("ready", flush=True)
-deadline = time.time() + 30
-while time.time() < deadline:
-    logs = [k for k in store.list_keys() if str(k).endswith("stdin/asks")]
-    if logs:
-        log = logs[0].decode() if isinstance(logs[0], bytes) else logs[0]
-        text = store.get(log).decode(errors="replace")
-        store.delete_key(log)
-        line = [x for x in text.splitlines() if "{" in x][0]
-        qid = json.loads(line[line.index("{"):])["id"]
-        answer = log.replace("stdin/asks", "stdin/answer/" + qid)
-        sent, t0 = 0, time.time()
-        while time.time() - t0 < 3:
-            store.set(answer, "0" * 64 + json.dumps({"value": "EVIL"}))
-            sent += 1
-            time.sleep(0.02)
-        print("deleted the question, sent", sent, flush=True)
-        break
-    time.sleep(0.002)
+FLOODER = (
+    FIRST_QUESTION
+    + r"""
+store.delete_key(log)
+sent, t0 = 0, time.time()
+while time.time() - t0 < 3:
+    store.set(answer, "0" * 64 + json.dumps({"value": "EVIL"}))
+    sent += 1
+    time.sleep(0.02)
+print("deleted the question, sent", sent, flush=True)
 """
+)
 
 
 def test_a_deleted_question_is_asked_again_and_a_flood_is_said_once(kernel, two):
