@@ -257,11 +257,14 @@ class Keeper:
         from ..core.export import HistoryCell
 
         try:
-            text = own_files.read(self.folder.file(HISTORY), HISTORY_CAP).decode("utf-8")
-            cells = [json.loads(line) for line in text.splitlines() if line.strip()]
+            cells = self._history_cells()
         except (OSError, ValueError):
             cells = []
         return [HistoryCell(n, c["source"], c["ok"]) for n, c in enumerate(cells, 1)]
+
+    def _history_cells(self) -> list[dict]:
+        text = own_files.read(self.folder.file(HISTORY), HISTORY_CAP).decode("utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def mark_ok(self, number: int) -> None:
         """Cell ``number`` of ``history()``, recorded as failed, finished ok after all: the
@@ -270,8 +273,7 @@ class Keeper:
         if not self.keeps or self._lost is not None:
             return
         try:
-            text = own_files.read(self.folder.file(HISTORY), HISTORY_CAP).decode("utf-8")
-            cells = [json.loads(line) for line in text.splitlines() if line.strip()]
+            cells = self._history_cells()
             cells[number - 1]["ok"] = True
         except (OSError, ValueError, IndexError, TypeError):
             return
@@ -330,7 +332,7 @@ def _load(name: str, entry: dict) -> Kept | str:
             lease = _read_json(LEASE, fd)
         except FileNotFoundError:
             lease = {}
-        if _ending(lease, data, fd):
+        if _ending(lease, fd):
             return "stale (it is ending)"
         try:
             ranks = _read_json(RANKS, fd)
@@ -349,21 +351,21 @@ def _load(name: str, entry: dict) -> Kept | str:
     )  # fmt: skip
 
 
-def _ending(lease: dict, data: dict, fd: int) -> bool:
+def _ending(lease: dict, fd: int) -> bool:
     """Whether the session is on its way out: told to end, or detached past its keep time."""
     if lease.get("end"):
         return True
     holder = lease.get("holder")
     if holder and same_process(int(holder[0]), float(holder[1])) is not None:
         return False
-    since = _detached_since(fd)
+    since = _detached_since(DETACHED, fd)
     return since is not None and lease_verdict(lease, False, since, time.time()) == "end"
 
 
-def _detached_since(fd: int) -> float | None:
+def _detached_since(path: str, dir_fd: int | None = None) -> float | None:
     """When the watchdog saw the session lose its driver (None: it did not write it yet)."""
     try:
-        return float(own_files.read(DETACHED, 64, dir_fd=fd))
+        return float(own_files.read(path, 64, dir_fd=dir_fd))
     except (OSError, ValueError):
         return None
 
@@ -517,10 +519,7 @@ def describe(kept: Kept, now: float | None = None) -> dict:
     if holder and same_process(int(holder[0]), float(holder[1])) is not None:
         driver = f"kernel pid {holder[0]}"
     else:
-        try:
-            since = float(own_files.read(os.path.join(kept.workdir, DETACHED), 64))
-        except (OSError, ValueError):
-            since = now
+        since = _detached_since(os.path.join(kept.workdir, DETACHED)) or now
         driver = f"detached, ends in {format_duration(since + kept.keep_s - now)}"
     plan = kept.plan
     gpus = f"{plan.backend}, GPUs {','.join(plan.gpus)}" if plan.gpus else plan.backend

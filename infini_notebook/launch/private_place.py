@@ -202,7 +202,9 @@ def open_entry(entry: dict) -> tuple[str, int]:
 
 
 def claimed_by_live(entry: dict) -> int | None:
-    """The pid of the live kernel that claimed the name and is starting it, if any."""
+    """The pid of the live kernel that claimed the name and is starting it, if any (as
+    watchdog.same_process checks one, which this module cannot import: the watchdog
+    imports it to remove an entry)."""
     claimer = entry.get("claimed_by")
     if not claimer:
         return None
