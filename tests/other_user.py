@@ -134,20 +134,33 @@ class Recreator:
 
 
 def popen_as_other() -> dict:
-    """``subprocess.Popen`` arguments that run a command as uid 65534, when this user is root
-    and uid 65534 can run this interpreter with torch (the venv must be readable by it);
-    else {} (the command runs as this user: for a store, which cannot tell users apart,
-    what it can reach is the same)."""
+    """``subprocess.Popen`` arguments that run a Python command as uid 65534, when this user is
+    root and uid 65534 can run a Python with torch; else {} (the command runs as this user: for
+    a store, which cannot tell users apart, what it can reach is the same).
+
+    This interpreter may lie under a folder only this user may enter (pyenv under /root), so
+    the system's Python of the same version is tried too, with this venv's site-packages on
+    its path (extension modules are built for the version, not the binary)."""
+    import shutil
+    import site
     import subprocess
     import sys
 
     if os.geteuid() != 0:
         return {}
     other = {"user": OTHER_UID, "group": OTHER_UID, "extra_groups": [], "cwd": "/"}
-    try:
-        probe = subprocess.run(
-            [sys.executable, "-c", "import torch.distributed"], capture_output=True, **other
-        )
-    except OSError:  # the interpreter lies under a folder only this user may enter
-        return {}
-    return other if probe.returncode == 0 else {}
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
+    for python, extra in ((sys.executable, {}), (system, {"env": env})):
+        if python is None:
+            continue
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import torch.distributed"], capture_output=True, **other, **extra
+            )
+        except OSError:  # the interpreter lies under a folder only this user may enter
+            continue
+        if probe.returncode == 0:
+            return {**other, **extra, "executable": python}
+    return {}

@@ -248,6 +248,105 @@ def test_two_host_ssh_session(hosts):
     hosts.ssh(a, f"rm -rf {known}")
 
 
+# Another user (uid 65534 where it can) who knows only the store's port. While the kernel
+# lives it copies the newest signed heartbeat, deleting the key every 100 ms for its first
+# ``delete_s`` seconds; once the kernel's store is gone it serves the copy from a store of
+# its own on the freed port.
+ATTACKER = r"""
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+host, port, delete_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=3))
+key = value = None
+t0 = time.monotonic()
+deleting = True
+while True:
+    try:
+        names = [k.decode() if isinstance(k, bytes) else k for k in store.list_keys()]
+        key = key or next((k for k in names if k.endswith("/infini/alive")), None)
+        if key and store.check([key]):
+            value, said = store.get(key), value
+            if said is None:
+                print("copied", flush=True)
+            if deleting:
+                store.delete_key(key)
+        if deleting and time.monotonic() - t0 > delete_s:
+            deleting = False
+            print("deleted", flush=True)
+    except Exception:
+        break  # the kernel's store is gone
+    time.sleep(0.1)
+for _ in range(200):
+    try:
+        foreign = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=3))
+        break
+    except Exception:
+        time.sleep(0.05)
+print("serving", flush=True)
+while True:
+    foreign.set(key, value)
+    time.sleep(0.05)
+"""
+
+# A rank's pid and the fd of the engine's own stderr (ipykernel's stream keeps it as fileno).
+RANK_STDERR = "%%dist\nimport os, sys\nprint(os.getpid(), sys.stderr.fileno())"
+WINDOW_S = 6  # the remote rank's heartbeat window in this test (60 s by default)
+
+
+def test_the_heartbeat_of_a_remote_rank_survives_deletion_and_replay(hosts):
+    """Issue 49, on a rank on host b, by another user who knows only the store's port.
+    Deleting the heartbeat key ended every remote rank within a window although the kernel
+    lived: deleted every 100 ms for over 2 windows, the rank stays and the kernel says it
+    once. A copied beat, served from the attacker's store on the freed port once the kernel
+    is gone, kept the rank alive for over 110 s: now it ends within its window, saying what
+    it saw."""
+    from other_user import popen_as_other
+
+    b = hosts.addrs[1]
+    here = os.environ.get("PYTHONPATH")
+    pythonpath = f"--env PYTHONPATH={here} " if here else ""
+    before = hosts.pids_in(hosts.names[1])
+    with fresh_kernel(timeout=240) as k:
+        k.run(
+            f"%dist_start --launcher ssh --hosts {b}:1 --timeout 60 --bind-address {SUBNET}.1 "
+            f"--env GLOO_SOCKET_IFNAME={IFACE} --env INFINI_NOTEBOOK_STORE_LOST_AFTER_S="
+            f"{WINDOW_S} {pythonpath}--ssh-args '{hosts.ssh_args}'",
+            timeout=240,
+        )
+        pid, fd = map(int, text_of(k.run(RANK_STDERR)).split()[-2:])
+        port, kernel = ast.literal_eval(
+            text_of(k.run("import os\nprint((dist_session.rendezvous.port, os.getpid()))"))
+        )
+        assert pid in hosts.pids_in(hosts.names[1]) - before  # the rank runs on host b
+        rank = psutil.Process(pid)
+        last_words = open(f"/proc/{pid}/fd/{fd}", "rb")  # its log: readable once it ended
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", ATTACKER, f"{SUBNET}.1", str(port), str(2 * WINDOW_S + 1)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **popen_as_other(),
+        )  # fmt: skip
+        try:
+            assert attacker.stdout.readline().strip() == "copied"
+            wait = f"%%dist\nimport time\ntime.sleep({2 * WINDOW_S + 1})\nprint('here')"
+            out = text_of(k.run(wait))
+            assert attacker.stdout.readline().strip() == "deleted"
+            assert "[rank 0] here" in out and rank.is_running(), out
+            assert out.count("heartbeat was deleted from its store") == 1, out
+            time.sleep(1.5)  # it copies a few more beats: the newest is what it serves
+            os.kill(kernel, 9)  # the kernel is gone, the port free
+            t0 = time.monotonic()
+            assert attacker.stdout.readline().strip() == "serving"
+            rank.wait(30)
+            took = time.monotonic() - t0
+        finally:
+            attacker.kill()
+            attacker.wait()
+    said = last_words.read().decode(errors="replace")
+    assert "no fresh signed heartbeat from the kernel" in said, said[-2000:]
+    assert "only an old heartbeat" in said, said[-2000:]
+    assert took < WINDOW_S + 8, took  # it was over 110 s
+
+
 def _autoreload_reaches_the_other_hosts(k, hosts: TwoHosts) -> None:
     """%dist_autoreload with the notebook's folder in the kernel's /tmp, which neither host
     sees: its .py files reach every rank, edits too, and a change over the cap is named."""

@@ -230,3 +230,15 @@ def test_freshness_takes_only_newer_beats_by_its_own_clock():
     assert fresh.take(read_beat(key, beat(key, 7, -1e9)), 111)  # newer: fresh, any clock
     assert fresh.last == 7 and not fresh.expired(120)
     assert "sequence 7" in fresh.last_words(125)
+
+
+def test_the_window_of_a_remote_rank_is_set_by_its_environment(capsys):
+    from infini_notebook.engine.rank_services import LOST_AFTER_ENV, store_lost_after
+
+    assert store_lost_after({}) == 60.0
+    assert store_lost_after({LOST_AFTER_ENV: "300"}) == 300.0
+    for bad in ("soon", "0.5", "-3"):
+        assert store_lost_after({LOST_AFTER_ENV: bad}) == 60.0
+        assert (
+            f"{LOST_AFTER_ENV}={bad!r} is not a number of seconds >= 2" in capsys.readouterr().err
+        )

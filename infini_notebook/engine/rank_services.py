@@ -27,7 +27,10 @@ def start(cfg: dict) -> None:
     if cfg.get("watch", "pid") == "pid":
         watch_parent(cfg["kernel_pid"], cfg["kernel_start"])
     else:  # the kernel is on another host: its store going away is the signal
-        watch_store(cfg["master_addr"], cfg["master_port"], cfg["token"], cfg["mac_key"])
+        watch_store(
+            cfg["master_addr"], cfg["master_port"], cfg["token"], cfg["mac_key"],
+            lost_after=store_lost_after(os.environ),
+        )  # fmt: skip
     install_stack_dumper(cfg)
     if cfg.get("stack_file"):
         install_signal_dump(cfg["stack_file"])
@@ -361,6 +364,26 @@ def session_store(cfg: dict, timeout: timedelta):
 
 
 STORE_LOST_AFTER_S = 60.0  # a remote rank waits this long for a fresh heartbeat
+LOST_AFTER_ENV = "INFINI_NOTEBOOK_STORE_LOST_AFTER_S"  # set with %dist_start --env
+
+
+def store_lost_after(env) -> float:
+    """The window a remote rank gives the kernel's heartbeat: ``LOST_AFTER_ENV`` (a longer
+    one for a flaky network, a shorter one in tests), else 60 s; a bad value is said, not
+    fatal."""
+    text = env.get(LOST_AFTER_ENV)
+    if text is None:
+        return STORE_LOST_AFTER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value >= 2.0:
+        return value
+    _say(f"{LOST_AFTER_ENV}={text!r} is not a number of seconds >= 2; 60 s it is")
+    return STORE_LOST_AFTER_S
+
+
 ALIVE_KEY = heartbeat.ALIVE_KEY  # the kernel's signed heartbeat (core/heartbeat.py)
 
 
@@ -427,7 +450,16 @@ BEFORE_EXIT: list = []
 
 
 def _say(text: str) -> None:
-    print(f"infini_notebook: {text}", file=sys.stderr, flush=True)
+    """``text`` on the engine's stderr. In an engine that is ipykernel's stream, which goes
+    only to the kernel (perhaps gone: these are often last words); the engine's own stderr
+    (its log, or a terminal) gets the line too."""
+    line = f"infini_notebook: {text}"
+    print(line, file=sys.stderr, flush=True)
+    if sys.stderr is not sys.__stderr__:
+        try:
+            os.write(sys.stderr.fileno(), (line + "\n").encode())
+        except (OSError, ValueError, AttributeError):  # no such stream: nothing more to do
+            pass
 
 
 def watch_parent(kernel_pid: int, kernel_start: float) -> None:

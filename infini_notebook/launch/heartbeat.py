@@ -37,7 +37,8 @@ class Heartbeat:
                     print(
                         "infini_notebook: the session's heartbeat was deleted from its store "
                         "by another process; it is written again every second, and ranks on "
-                        "other hosts end only when none comes for a minute",
+                        "other hosts end only when none comes for their window (a minute by "
+                        "default)",
                         file=sys.stderr,
                     )
                 seq += 1
