@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from . import clockfit, gloo_ops, intervals, recorder
+from . import blame, clockfit, gloo_ops, intervals, recorder
 from .comm_ops import CommOp
 from .rank_trace import RankTrace, ops, summary, window
 from .ranks import rank_label
@@ -120,6 +120,29 @@ def _last_arrival(p: _Placed, members, sizes) -> float | None:
     return last if p.op.keys else None
 
 
+def _waits(traces: list[RankTrace], placed: dict[int, list[_Placed]], sizes) -> blame.Waits:
+    """Every rank's waits in the ops seen on every member, less its compute, in its window:
+    as ``rank_rows`` counts them; for blame's chains."""
+    done = [ms for k, ms in _members(placed).items() if _complete(k, ms, sizes)]
+    busy = {
+        t.rank: [(a + t.shift_us, b + t.shift_us) for a, b in summary(t).compute] for t in traces
+    }
+    window_of = {t.rank: tuple(x + t.shift_us for x in window(t)) for t in traces}
+    ops = [[blame.Member(m.rank, m.start, m.end) for m in ms] for ms in done]
+    return blame.Waits(ops, busy, window_of)
+
+
+def waited_for(chains: dict[tuple[int, ...], float]) -> str:
+    """Where most of a rank's wait started, and through whom: 'rank 0 through ranks 2 and
+    1'; '' where it did not wait."""
+    roots = blame.by_root(chains)
+    if not roots:
+        return ""
+    root = max(roots, key=lambda r: (roots[r], -r))
+    how = blame.through(blame.main_chain(chains, root))
+    return f"rank {root} {how}".strip()
+
+
 def _top(per_name: dict[str, float], top: int) -> str:
     """The ops that took the most self time, with their share of it: 'aten::mm 62 %'."""
     total = sum(per_name.values())
@@ -137,10 +160,12 @@ def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
     """Per rank: wall, compute, wait, communication, idle (ms; they add up to wall), the
     ops that took its compute time (self time, with their share), how many collective/p2p
     ops it ran in the cell and of those how many were matched on every member (wait is
-    measured for those; None where none was)."""
+    measured for those; None where none was), and where most of its wait started
+    (``waited_for``: "rank 0 through ranks 2 and 1", blame.py)."""
     placed = _placed(traces)
     members = _members(placed)
     sizes = _sizes(traces)
+    waits = _waits(traces, placed, sizes)
     rows = []
     for t in traces:
         lo, hi = (x + t.shift_us for x in window(t))
@@ -166,6 +191,7 @@ def rank_rows(traces: list[RankTrace], top: int = 3) -> list[dict]:
                 "idle_ms": parts[3] / 1000,
                 "ops": n,
                 "matched": matched,
+                "waited_for": waited_for(waits.chains(t.rank)),
                 "top_ops": _top(per_name, top),
             }
         )
@@ -225,8 +251,9 @@ class Verdict:
 
 
 def verdict(traces: list[RankTrace]) -> Verdict:
-    """Who made the others wait, and how long: the rank whose late arrivals cost its peers
-    the most waiting (each peer's wait for it a union of intervals, as in ``rank_rows``)."""
+    """Who made the others wait, and how long: the rank where the delay starts (blame.py: a
+    rank late because it waited for another passes the blame on), by the waiting it cost
+    its peers, each peer's wait counted once."""
     placed = _placed(traces)
     sizes = _sizes(traces)
     done = {k: ms for k, ms in _members(placed).items() if _complete(k, ms, sizes)}
@@ -236,38 +263,48 @@ def verdict(traces: list[RankTrace]) -> Verdict:
         return Verdict(
             "No collective was seen on every member: no wait is measured (see the note)."
         )
-    waits: dict[int, dict[int, list]] = {}  # last rank -> peer -> its waits for it
-    for ms in done.values():
-        last = max(ms, key=lambda m: m.start)
-        for m in ms:
-            if m.rank != last.rank:
-                span = (m.start, min(m.end, last.start))
-                waits.setdefault(last.rank, {}).setdefault(m.rank, []).append(span)
-    waited = {s: {p: intervals.length(w) / 1000 for p, w in ps.items()} for s, ps in waits.items()}
+    waits = _waits(traces, placed, sizes)
+    chains = {t.rank: waits.chains(t.rank) for t in traces}
+    cost: dict[int, dict[int, float]] = {}  # where a delay started -> peer -> its wait (ms)
+    for peer, cs in chains.items():
+        for root, us in blame.by_root(cs).items():
+            cost.setdefault(root, {})[peer] = us / 1000
     wall = {t.rank: (window(t)[1] - window(t)[0]) / 1000 for t in traces}
-    s = max(waited, key=lambda r: (sum(waited[r].values()), -r), default=None)
-    share = {p: w / wall[p] if wall[p] > 0 else 0.0 for p, w in waited.get(s, {}).items()}
+    s = max(cost, key=lambda r: (sum(cost[r].values()), -r), default=None)
+    share = {p: w / wall[p] if wall[p] > 0 else 0.0 for p, w in cost.get(s, {}).items()}
     if max(share.values(), default=0.0) < 0.01:
-        most = max((w for ps in waited.values() for w in ps.values()), default=0.0)
+        most = max((w for ps in cost.values() for w in ps.values()), default=0.0)
         return Verdict(
             f"The ranks arrived together at the "
             f"{_kind([ms[0].op for ms in done.values()]).removeprefix('1 ')}: "
             f"no rank waited more than {duration(most)}."
         )
     ops = [ms for ms in done.values() if any(m.rank == s for m in ms)]
-    last = sum(max(ms, key=lambda m: m.start).rank == s for ms in ops)
-    peers = sorted(waited[s])
+    last = sum(max(ms, key=lambda m: (m.start, m.rank)).rank == s for ms in ops)
+    waited = cost[s]
+    peers = sorted(waited)
     who = "the other ranks" if set(peers) | {s} == set(wall) else rank_label(peers)[1:-1]
-    low, high = min(waited[s].values()), max(waited[s].values())
+    low, high = min(waited.values()), max(waited.values())
     if len(peers) == 1:
         how = f"{who} waited {duration(high)} for it ({share[peers[0]]:.0%} of its cell)"
     elif low >= 0.8 * high:
-        mean, part = statistics.mean(waited[s].values()), statistics.mean(share.values())
+        mean, part = statistics.mean(waited.values()), statistics.mean(share.values())
         how = f"{who} waited {duration(mean)} each ({part:.0%} of the cell)"
     else:
-        p = max(peers, key=lambda r: waited[s][r])
+        p = max(peers, key=lambda r: waited[r])
         how = f"{who} waited for it, up to {duration(high)} (rank {p}: {share[p]:.0%} of its cell)"
-    text = f"rank {s} arrived last in {last} of {_kind([ms[0].op for ms in ops])}; {how}"
+    passed = [
+        f"rank {p} {blame.through(blame.main_chain(chains[p], s))}"
+        for p in peers
+        if len(blame.main_chain(chains[p], s)) > 1
+    ]
+    if passed:  # the delay reached some peers through ranks that waited for it themselves
+        text = (
+            f"rank {s} is where the delay starts: it arrived last in {last} of "
+            f"{_kind([ms[0].op for ms in ops])}; {how}; {', '.join(passed)}"
+        )
+    else:
+        text = f"rank {s} arrived last in {last} of {_kind([ms[0].op for ms in ops])}; {how}"
     return Verdict(text.replace("%", " %"), rank=s, last=last, of=len(ops))
 
 

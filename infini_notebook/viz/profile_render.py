@@ -22,6 +22,8 @@ RANKS_CAPTION = (
     "Each rank's cell (ms): compute + communication + wait + idle = wall. wait: inside a "
     "collective or message until its last peer arrived; ops: the rank's collectives and "
     "messages in the cell, matched: those seen on every member (wait covers those); "
+    "waited_for: the rank where most of its wait started, and the ranks it came through "
+    "(each waiting for the one before); "
     "top_ops: the ops that took its compute time (self time), with their share of it."
 )
 COLLECTIVES_CAPTION = (
