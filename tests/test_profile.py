@@ -103,6 +103,39 @@ def test_the_verdict_names_the_straggler_and_the_wait_its_sleeps_caused(profiled
     assert tables["straggler"] == [2, STEPS, STEPS]
 
 
+CHAIN = """import time
+for step in range(3):
+    t = torch.ones(1000)
+    if rank == 0:
+        time.sleep(0.3)
+        dist.send(t, 1)
+    else:
+        dist.recv(t, rank - 1)
+        if rank < 3:
+            dist.send(t, rank + 1)"""
+
+
+def test_in_a_chain_of_messages_the_verdict_names_the_first_rank_not_the_last_sender(
+    kernel, profiled
+):
+    """Issue 50: 0 -> 1 -> 2 -> 3 with rank 0 sleeping 0.3 s before each send was "rank 2
+    arrived last in 3 of 6 messages; rank 3 waited 604 ms for it". Each later rank waits
+    for rank 0's 3 sleeps, passed along the chain."""
+    _, out = profiled
+    tables = profile_tables(kernel, CHAIN, out / "chain")
+    verdict = tables["verdict"]
+    assert verdict.startswith(
+        "rank 0 is where the delay starts: it arrived last in 3 of 3 messages; the other ranks"
+    ), verdict
+    assert verdict.endswith("rank 2 through rank 1, rank 3 through ranks 1 and 2"), verdict
+    ranks = by_rank(tables)
+    assert [ranks[r]["waited_for"] for r in range(4)] == [
+        "", "rank 0", "rank 0 through rank 1", "rank 0 through ranks 1 and 2"
+    ]  # fmt: skip
+    for r in (1, 2, 3):
+        assert 3 * 240 <= ranks[r]["wait_ms"] <= 3 * 360 + 100, ranks[r]  # 3 x 0.3 s
+
+
 def test_collectives_are_numbered_in_the_cell_and_ops_ranked_by_self_time(profiled):
     """The session's start-up all_reduces took the world group's first numbers: the cell's
     are 1-4 all the same; each rank's top ops carry their share of its compute time."""
@@ -214,10 +247,15 @@ def test_subgroups_stay_apart(kernel, profiled):
     assert len(rows) == 4 and all(c["ranks"] == 2 and c["n"] == 1 for c in rows), rows
     groups = {c["group"] for c in rows}  # four groups, none mixed, named as errors name them
     assert groups == {"tp [ranks 0-1]", "tp [ranks 2-3]", "dp [ranks 0,2]", "dp [ranks 1,3]"}
-    assert tables["verdict"].startswith("rank 3 arrived last in 2 of 2 all_reduces; ranks 1-2"), (
-        tables["verdict"]
-    )
+    # rank 0 waited for rank 2, which was still waiting for rank 3: the delay started at 3
+    assert tables["verdict"].startswith(
+        "rank 3 is where the delay starts: it arrived last in 2 of 2 all_reduces; the other"
+    ), tables["verdict"]
+    assert tables["verdict"].endswith("rank 0 through rank 2"), tables["verdict"]
     ranks = by_rank(tables)
+    assert [ranks[r]["waited_for"] for r in range(4)] == [
+        "rank 3 through rank 2", "rank 3", "rank 3", ""
+    ]  # fmt: skip
     assert 140 <= ranks[1]["wait_ms"] <= 280, ranks[1]  # dp {1,3}: for rank 3
     assert 140 <= ranks[2]["wait_ms"] <= 280, ranks[2]  # tp {2,3}: for rank 3
     assert 50 <= ranks[0]["wait_ms"] <= 180, ranks[0]  # dp {0,2}: for rank 2 (0.2 - 0.1)
