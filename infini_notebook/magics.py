@@ -245,14 +245,23 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("path", help="the script to write, e.g. train.py")
     @argument("--force", "-f", action="store_true", help="overwrite PATH if it exists")
+    @argument(
+        "--profile",
+        action="store_true",
+        help="run %%%%dist_profile cells under torch.profiler, as they ran (a trace per rank)",
+    )
     @line_magic
     def dist_export(self, line: str):
-        """Write this session's %%dist cells, in order, as a script that runs under torchrun.
+        """Write this session's %%dist and %%dist_profile cells, in order, as a script that
+        runs under torchrun.
 
-        Each rank of the script gets the names and the parallel groups a session's rank has,
-        and labels its lines [rank N]; --ranks and --where become `if` guards. Cells that
-        failed, code that ran in the notebook's kernel and magics with no script equivalent
-        (%dist_pull, %dist_push ...) are left out, each listed here and marked in the script.
+        Each rank of the script gets the names, the parallel groups and the GPU a session's
+        rank has (--gpus 4,5,6,7 or 0,0 too), and labels its lines [rank N]; --ranks and
+        --where become `if` guards; a %%dist_profile cell runs as plain code, or with
+        --profile under torch.profiler (each rank's trace in dist_profile/SCRIPT-In<N>/).
+        Cells that failed, code that ran in the notebook's kernel and magics with no script
+        equivalent (%dist_pull, %dist_push ...) are left out, each listed here and marked in
+        the script.
         Example: %dist_export train.py, then: torchrun --nproc_per_node 4 train.py
         """
         from .core import export
@@ -269,9 +278,12 @@ class DistMagics(Magics):
         settings = export.pick_settings(
             cluster.current(), start_line, lambda flags: parse_argstring(self.dist_start, flags)
         )
+        profile_magic = self.shell.find_cell_magic("dist_profile")  # debug_magics: no import
         result = export.export_script(
             cells, settings, lambda flags: parse_argstring(self.dist, flags),
             filename=os.path.basename(path),
+            parse_profile_line=lambda flags: parse_argstring(profile_magic, flags),
+            profile=args.profile,
         )  # fmt: skip
         export.write_script(path, result.text, args.force)
         print(result.summary(path))

@@ -7,7 +7,10 @@ script with torchrun on 4 CPU ranks and compares what every rank printed.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -24,8 +27,10 @@ from test_notebooks import _runner, assert_shows_committed
 
 from infini_notebook.core import export
 from infini_notebook.core.errors import DistUsageError
+from infini_notebook.core.plan_checks import make_plan
 from infini_notebook.core.ranks import parse_ranks
-from infini_notebook.engine.torchrun import LabeledStream, torchrun_namespace
+from infini_notebook.debug_magics import DebugMagics
+from infini_notebook.engine.torchrun import LabeledStream, torchrun_namespace, use_gpus
 from infini_notebook.groups import ParallelLayout
 from infini_notebook.magics import DistMagics
 
@@ -37,8 +42,15 @@ def parse_dist(line: str):
     return parse_argstring(DistMagics.dist, line)
 
 
-def script(*cells: H, settings=SETTINGS) -> export.Export:
-    return export.export_script(list(cells), settings, parse_dist, "out.py")
+def parse_profile(line: str):
+    return parse_argstring(DebugMagics.dist_profile, line)
+
+
+def script(*cells: H, settings=SETTINGS, profile=False) -> export.Export:
+    return export.export_script(
+        list(cells), settings, parse_dist, "out.py", parse_profile_line=parse_profile,
+        profile=profile,
+    )  # fmt: skip
 
 
 def cell_block(text: str, number: int) -> str:
@@ -193,6 +205,102 @@ def test_header_names_the_layout_and_the_command():
     ]
 
 
+PROFILED = H(2, "%%dist_profile --ranks 0,1 --out prof\nseen.append(rank)\nrank * 2")
+
+
+def test_a_profiled_cell_exports_as_the_cell_it_profiled():
+    """%%dist_profile ran its code on the ranks: the script runs it there too, under the
+    same guard, as plain code (a note says how to get the profiler back)."""
+    out = script(H(1, "%%dist\nseen = []"), PROFILED, H(3, "%%dist\nprint(seen)"))
+    assert out.cells == [1, 2, 3] and out.skipped == [] and not out.profiled
+    block = cell_block(out.text, 2)
+    assert block.splitlines()[:2] == [
+        "# %% In[2]: %%dist_profile --ranks 0,1 --out prof",
+        "# (profiled in the notebook; %dist_export --profile runs it so here)",
+    ]
+    assert "import profiled" not in out.text and "with profiled" not in out.text
+    for rank, ran in ((0, [0]), (1, [1]), (2, [])):  # the guard: ranks 0 and 1 only
+        shown = []
+        ns = {"rank": rank, "seen": [], "show": shown.append}
+        exec(block, ns)
+        assert ns["seen"] == ran and shown == [2 * r for r in ran]
+
+
+def test_with_profile_the_cell_runs_under_the_profiler_inside_its_guard():
+    out = script(H(1, "%%dist\nseen = []"), PROFILED, profile=True)
+    assert out.profiled and out.cells == [1, 2]
+    block = cell_block(out.text, 2)
+    folder = "dist_profile/out-In2"  # the script's name and the cell's number
+    assert f"each rank's trace in {folder}/" in block
+    assert f'if rank in (0, 1):\n    with profiled("{folder}", device):\n' in block
+    assert "from infini_notebook.engine.torchrun import profiled, torchrun_namespace" in out.text
+    compile(out.text, "out.py", "exec")
+    for rank, ran in ((1, [1]), (3, [])):
+        calls, seen = [], []
+
+        @contextlib.contextmanager
+        def profiled(where, device, calls=calls, seen=seen):
+            calls.append((where, device, list(seen)))
+            yield
+            calls.append("stopped")
+
+        ns = {"rank": rank, "seen": seen, "show": print, "profiled": profiled, "device": "cpu"}
+        exec(block, ns)
+        # the profiler starts before the code and stops after it, on the cell's ranks only
+        assert ns["seen"] == ran
+        assert calls == ([(folder, "cpu", []), "stopped"] if ran else [])
+
+
+class _Session:  # what pick_settings reads of a running session
+    def __init__(self, plan):
+        self.plan, self.layout = plan, ParallelLayout(plan.world_size)
+
+
+@pytest.mark.parametrize(
+    "flags, visible, expected",
+    [
+        # --gpus 4,5,6,7: rank r sees GPUs 4-7 and uses its r-th, as torchrun would
+        ("4,5,6,7", [str(i) for i in range(8)], [("4,5,6,7", r) for r in range(4)]),
+        # --gpus 0,0: both ranks on GPU 0, which each sees once, as cuda:0
+        ("0,0", [str(i) for i in range(8)], [("0", 0), ("0", 0)]),
+        # ids count the kernel's visible GPUs (CUDA_VISIBLE_DEVICES=2,3,6,7): 1,3 is 3 and 7
+        ("1,3", ["2", "3", "6", "7"], [("3,7", 0), ("3,7", 1)]),
+        ("3,3,1,1", [str(i) for i in range(8)], [("3,1", 0), ("3,1", 0), ("3,1", 1), ("3,1", 1)]),
+    ],
+)
+def test_the_script_puts_each_rank_on_the_gpu_it_had_in_the_session(flags, visible, expected):
+    """The exported text carries the session's --gpus, and the script's ranks (through
+    use_gpus, what torchrun_namespace calls before CUDA starts) see the same
+    CUDA_VISIBLE_DEVICES and get the same device index as the session's ranks did."""
+    plan = make_plan(gpus=flags, visible_gpus=visible, nccl_version=(2, 28, 9))
+    assert [plan.cuda_devices(r) for r in range(plan.world_size)] == expected
+    settings = export.pick_settings(_Session(plan), None, None)
+    text = script(H(1, "%%dist\npass"), settings=settings).text
+    assigned = [n for n in ast.parse(text).body if isinstance(n, ast.Assign)]
+    gpus = next(ast.literal_eval(n.value) for n in assigned if n.targets[0].id == "GPUS")
+    assert "    gpus=GPUS,\n)" in text
+    n = plan.world_size
+    for rank, (visible_there, index) in enumerate(expected):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+        assert use_gpus(gpus, "nccl", env) == index
+        assert env["CUDA_VISIBLE_DEVICES"] == visible_there
+        shares = len(set(plan.gpus)) < n  # NCCL told that ranks share a GPU, per slot
+        assert ("NCCL_HOSTID" in env or "NCCL_MULTI_RANK_GPU_ENABLE" in env) == shares
+        if "NCCL_HOSTID" in env:
+            assert env["NCCL_HOSTID"].endswith(f"slot{rank % 2}")
+
+
+def test_cpu_sessions_and_other_launchers_carry_no_gpus_and_two_nodes_are_refused():
+    assert "GPUS" not in script(H(1, "%%dist\npass")).text  # CPU ranks
+    ssh = make_plan(gpus=1, launcher="ssh", hosts="a:1,b:1", bind_address="10.0.0.1")
+    assert export.pick_settings(_Session(ssh), None, None).gpus == ()  # their hosts pick
+    line = parse_argstring(DistMagics.dist_start, "--gpus 4,5")
+    assert export.settings_from_start(line).gpus == ("4", "5")
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+    with pytest.raises(DistUsageError, match="run the script on one machine, or set GPUS = None"):
+        use_gpus(("4", "5"), "nccl", env)
+
+
 def test_labeled_stream_writes_whole_labeled_lines():
     sink = io.StringIO()
     stream = LabeledStream(sink, "[rank 3]")
@@ -218,7 +326,7 @@ def test_torchrun_namespace_refuses_the_wrong_world(monkeypatch):
 # --------------------------------------------------------------------------- real kernel
 
 
-def run_torchrun(path: str, nproc: int) -> subprocess.CompletedProcess:
+def run_torchrun(path: str, nproc: int, cwd=None) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -230,7 +338,7 @@ def run_torchrun(path: str, nproc: int) -> subprocess.CompletedProcess:
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(nproc), "--rdzv-endpoint", "127.0.0.1:0", path,
     ]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 ENDS_AFTER_A_COLLECTIVE = """
@@ -306,15 +414,28 @@ def run_tutorial(name: str, extra: list[str]) -> list[nbformat.NotebookNode]:
     return nb.cells
 
 
+def profiled_cells(out: str) -> list[str]:
+    """A %%dist_profile cell on ranks 0 and 1 that changes their state (an all_reduce over
+    their tp group), and a cell that reads that state on every rank."""
+    return [
+        f"%%dist_profile --ranks 0,1 --out {out}\nprofiled = out.sum() * (rank + 1)\n"
+        "dist.all_reduce(profiled, group=groups.tp)\nprint('profiled', round(profiled.item(), 4))",
+        "%%dist\nprint('after the profile', round(profiled.item(), 4) if rank < 2 else None)",
+    ]
+
+
 @pytest.mark.notebooks
 @pytest.mark.timeout(600)
 def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path):
+    """Exported with --profile: the profiled cell runs on its ranks under torch.profiler
+    (each writes its trace, holding the cell's all_reduce) and the next cell sees its state."""
     path = str(tmp_path / "nb06.py")
-    cells = run_tutorial("06_tensor_parallel_mlp.ipynb", EXTRA_CELLS + [f"%dist_export {path}"])
+    extra = EXTRA_CELLS + profiled_cells(str(tmp_path / "in-notebook"))
+    cells = run_tutorial("06_tensor_parallel_mlp.ipynb", extra + [f"%dist_export {path} --profile"])
     errors = [c.source for c in cells if any(o.output_type == "error" for o in c.outputs)]
     assert errors == [EXTRA_CELLS[2]], errors
     said = text_of(cells[-2])
-    dist_cells = [c for c in cells if c.source.startswith("%%dist")]
+    dist_cells = [c for c in cells if c.source.startswith("%%dist")]  # %%dist_profile too
     assert f"Wrote {path}: {len(dist_cells) - 1} %%dist cells" in said, said
     assert "torchrun --nproc_per_node 4" in said
     skipped = [line for line in said.splitlines() if line.startswith("skipped")]
@@ -322,10 +443,22 @@ def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path)
     assert "(failed in the notebook" in skipped[2] and "%dist_pull checks" in skipped[3]
 
     notebook = lines_by_rank("".join(text_of(c, "stdout") for c in dist_cells), 4)
-    assert notebook[1][-2:] == ["tp rank 1 of [0, 1]", "10"]  # the extra cells did show
-    proc = run_torchrun(path, 4)
+    assert notebook[1][-4:-2] == ["tp rank 1 of [0, 1]", "10"]  # the extra cells did show
+    (checksum,) = [float(line.split()[1]) for line in notebook[0] if line.startswith("checksum")]
+    profiled = float(notebook[0][-2].removeprefix("profiled "))
+    assert abs(profiled - 3 * checksum) < 1e-3  # out.sum() x 1 + x 2 over ranks 0 and 1
+    expected = [f"profiled {profiled}", f"after the profile {profiled}"]
+    assert notebook[0][-2:] == notebook[1][-2:] == expected
+    assert notebook[2][-1] == notebook[3][-1] == "after the profile None"
+    proc = run_torchrun(path, 4, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines_by_rank(proc.stdout, 4) == notebook
+    (folder,) = (tmp_path / "dist_profile").iterdir()  # dist_profile/nb06-In<N>
+    assert folder.name.startswith("nb06-In") and "trace of this cell" in proc.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "rank1.json"]
+    for trace in folder.iterdir():
+        names = {e.get("name", "") for e in json.load(open(trace))["traceEvents"]}
+        assert any("allreduce" in n or "all_reduce" in n for n in names), sorted(names)[:40]
 
 
 @pytest.mark.notebooks
@@ -360,6 +493,22 @@ def test_exported_script_runs_on_nccl_one_gpu_per_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     total = 4.0 * n * (n + 1) / 2
     assert lines_by_rank(proc.stdout, n) == {r: [f"nccl cuda:{r} {total}"] for r in range(n)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exported_script_keeps_two_ranks_on_the_gpu_they_shared(tmp_path):
+    """A --gpus 0,0 session's script: both ranks on that one GPU again (cuda:0 of a
+    CUDA_VISIBLE_DEVICES naming it once), NCCL told they share it."""
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    cell = "%%dist\nimport os\nx = torch.ones(4, device=device) * (rank + 1)\ndist.all_reduce(x)\n"
+    cell += "print(os.environ['CUDA_VISIBLE_DEVICES'], x.device, x.sum().item())"
+    settings = export.Settings(ParallelLayout(2), "nccl", 60.0, (gpu, gpu))
+    path = tmp_path / "shared.py"
+    path.write_text(script(H(1, cell), settings=settings).text)
+    proc = run_torchrun(str(path), 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines_by_rank(proc.stdout, 2) == {r: [f"{gpu} cuda:0 12.0"] for r in range(2)}
 
 
 def test_export_magic_errors_and_help(kernel, tmp_path):

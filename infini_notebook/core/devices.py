@@ -169,6 +169,17 @@ def visible_entry(visible: str | None, index: int) -> str:
     return entries[index] if entries else str(index)
 
 
+def rank_gpu(gpus: Sequence[str], index: int) -> tuple[str, int]:
+    """(CUDA_VISIBLE_DEVICES, device index) of the ``index``-th rank of one machine whose
+    ranks use ``gpus`` (a CUDA_VISIBLE_DEVICES entry each, in local rank order). As under
+    torchrun, a rank sees every GPU of its machine's ranks, in that order, so its own is
+    ``cuda:LOCAL_RANK``; ranks sharing a GPU see it once (CUDA, and torch's
+    _parse_visible_devices, take a repeated entry as the end of the list), so their device
+    is its place in that list. A session's ranks and an exported script's both use this."""
+    unique = list(dict.fromkeys(gpus))
+    return ",".join(unique), unique.index(gpus[index])
+
+
 def sharing(gpus: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """The GPUs more than one rank uses, each with its ranks: ``("0", "0", "1")`` ->
     ``{"0": (0, 1)}``. Empty when every rank has a GPU of its own."""

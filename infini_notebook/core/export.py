@@ -5,6 +5,12 @@ outcome. The script starts the way a session's rank starts (``engine.torchrun_na
 same names, same groups through ``init_parallel_groups``), then runs the ``%%dist`` cells of
 the last session in order, ``--ranks``/``--where`` turned into ``if`` guards.
 
+``%%dist_profile`` cells ran on the ranks too, and changed their state: they are exported as
+the cell they profiled (with ``profile=True``, ``%dist_export --profile``, under
+torch.profiler as they ran, each rank's trace written beside the script). A session's GPU
+choice (``--gpus 4,5,6,7``, ``--gpus 0,0``) goes into the script as ``GPUS``: each rank sees
+the GPUs and gets the device index its session rank had (``engine.torchrun.use_gpus``).
+
 What is left out is said in the script (``# skipped`` comments) and in ``Export.skipped``:
 cells that failed in the notebook (a rerun that worked is what the script should repeat; the
 failed code stays in the script as comments), code that ran in the notebook's kernel rather
@@ -58,11 +64,14 @@ def history(raw: Sequence[str]) -> list[HistoryCell]:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the script needs from the session: layout, backend, collective timeout (s)."""
+    """What the script needs from the session: layout, backend, collective timeout (s), and
+    each rank's GPU (its CUDA_VISIBLE_DEVICES entry, SessionPlan.gpus; empty: CPU ranks, or
+    ranks whose host picked their GPU)."""
 
     layout: ParallelLayout
     backend: str
     timeout: float = 300.0
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -72,6 +81,8 @@ class Export:
     cells: list[int] = field(default_factory=list)  # In[n] of the %%dist cells it runs
     skipped: list[str] = field(default_factory=list)  # "In[n]: what (why)", one per line
     shows_values: bool = False  # a cell ends in an expression: the script defines show()
+    profiled: bool = False  # a cell runs under torch.profiler: the script imports profiled()
+    filename: str = "script.py"  # the script's name, as its header and trace folders say it
 
     def summary(self, path: str) -> str:
         """What the magic prints: what was written, how to run it, what was left out."""
@@ -160,7 +171,19 @@ def settings_from_start(args: Any) -> Settings:
         )  # fmt: skip
     except ValueError as e:
         raise DistUsageError(f"The last %dist_start line has a bad layout: {e}") from None
-    return Settings(layout, backend, float(args.timeout))
+    return Settings(layout, backend, float(args.timeout), _gpus_from_start(args, world))
+
+
+def _gpus_from_start(args: Any, world: int) -> tuple[str, ...]:
+    """The GPUs a ``%dist_start`` line picked, as ids of the kernel's visible GPUs (the
+    running session knows their CUDA_VISIBLE_DEVICES entries; this line alone does not)."""
+    from .devices import requested_gpus
+
+    wanted = requested_gpus(args.gpus)
+    if wanted is None or getattr(args, "launcher", "local") != "local":
+        return ()  # CPU ranks, or ranks whose host picks their GPU
+    ids = wanted if isinstance(wanted, tuple) else range(world)
+    return tuple(str(i) for i in ids)
 
 
 # --------------------------------------------------------------------------- the script
@@ -171,23 +194,30 @@ def export_script(
     settings: Settings,
     parse_dist_line: Callable[[str], Any],
     filename: str = "script.py",
+    *,
+    parse_profile_line: Callable[[str], Any] | None = None,
+    profile: bool = False,
 ) -> Export:
-    """The script for the ``%%dist`` cells in ``history`` (already cut to one session, see
-    ``last_session``). ``parse_dist_line`` parses a ``%%dist`` flag line (the magic's parser).
+    """The script for the ``%%dist`` and ``%%dist_profile`` cells in ``history`` (already cut
+    to one session, see ``last_session``). ``parse_dist_line`` and ``parse_profile_line``
+    parse their flag lines (the magics' parsers; a profile line is read by its --ranks and
+    --where only). ``profile``: profiled cells run under torch.profiler, as they ran.
 
     Raises DistUsageError when there is no ``%%dist`` cell to export."""
-    out = Export(text="", world_size=settings.layout.world_size)
+    out = Export(text="", world_size=settings.layout.world_size, filename=filename)
+    parsers = {"dist": parse_dist_line, "dist_profile": parse_profile_line or parse_dist_line}
     blocks = []
     for cell in history:
         name, line, body = split_cell(cell.source)
-        if name == "dist":
-            blocks.append(_dist_block(cell, line, body, settings, parse_dist_line, out))
+        if name in parsers:
+            parse = parsers[name]
+            blocks.append(_dist_block(cell, name, line, body, settings, parse, out, profile))
         elif name is None:
             blocks.append(_kernel_block(cell, out))
         else:
             blocks.append(_skip(out, cell.number, f"%%{name} cell", "ran in the notebook's kernel"))
     if not out.cells:
-        failed = sum(1 for c in history if split_cell(c.source)[0] == "dist")
+        failed = sum(1 for c in history if split_cell(c.source)[0] in parsers)
         raise DistUsageError(
             (f"None of the {failed} %%dist cells of this session succeeded" if failed else
              "No %%dist cell ran in this session yet")
@@ -198,25 +228,43 @@ def export_script(
     return out
 
 
-def _dist_block(cell, line, body, settings, parse_dist_line, out: Export) -> str:
-    title = f"# %% In[{cell.number}]: %%dist {line}".rstrip()
+def _dist_block(cell, magic, line, body, settings, parse_line, out: Export, profile=False) -> str:
+    """A ``%%dist`` or ``%%dist_profile`` cell: its code under its --ranks/--where guard (a
+    profiled cell's under torch.profiler with ``profile``), or, for one that failed or is not
+    plain Python, its code as comments."""
+    what = f"%%{magic} {line}".rstrip()
+    title = f"# %% In[{cell.number}]: {what}"
     if cell.ok is False:
         why = "failed in the notebook; left out, its code below as comments"
-        out.skipped.append(f"In[{cell.number}]: %%dist {line}".rstrip() + f" ({why})")
+        out.skipped.append(f"In[{cell.number}]: {what} ({why})")
         return f"{title}\n# skipped: this cell {why}\n" + _commented(body)
-    args = parse_dist_line(line)
+    args = parse_line(line)
     guard = _guard(args, settings.layout)
     code, problems = _script_code(body, cell.number, out)
     if code is None:
         why = f"not plain Python ({problems}); left out, its code below as comments"
-        out.skipped.append(f"In[{cell.number}]: %%dist {line}".rstrip() + f" ({why})")
+        out.skipped.append(f"In[{cell.number}]: {what} ({why})")
         return f"{title}\n# skipped: this cell is {why}\n" + _commented(body)
     out.cells.append(cell.number)
     if getattr(args, "background", False):
         title += "\n# (ran with --background in the notebook; runs inline here)"
+    if magic == "dist_profile" and profile:
+        folder = _profile_folder(out.filename, cell.number)
+        title += f"\n# under torch.profiler, as in the notebook: each rank's trace in {folder}/"
+        code = f'with profiled("{folder}", device):\n{_indent(code)}'
+        out.profiled = True
+    elif magic == "dist_profile":
+        title += "\n# (profiled in the notebook; %dist_export --profile runs it so here)"
     if guard:
         code = f"{guard}\n{_indent(code)}"
     return f"{title}\n{code}"
+
+
+def _profile_folder(filename: str, number: int) -> str:
+    """Where an exported profiled cell's traces go: dist_profile/<script>-In<N>, beside the
+    notebook's own dist_profile/In<N>-<time> folders, never one of those."""
+    stem = os.path.splitext(os.path.basename(filename))[0] or "script"
+    return f"dist_profile/{stem}-In{number}"
 
 
 def _guard(args: Any, layout: ParallelLayout) -> str | None:
@@ -341,6 +389,8 @@ def _header(settings: Settings, out: Export, filename: str) -> str:
         if out.shows_values
         else ""
     )
+    names = "profiled, torchrun_namespace" if out.profiled else "torchrun_namespace"
+    gpus, gpus_arg = _gpus_lines(settings.gpus)
     return f'''"""A notebook's %%dist cells as a torchrun script, written by %dist_export.
 
 {cells}.
@@ -356,13 +406,13 @@ device, groups, mesh, layout) with the same parallel groups, and labels its line
 import torch
 import torch.distributed as dist
 
-from infini_notebook.engine.torchrun import torchrun_namespace
+from infini_notebook.engine.torchrun import {names}
 from infini_notebook.groups import ParallelLayout
-
+{gpus}
 ns = torchrun_namespace(
     ParallelLayout({args}),
     backend="{settings.backend}",
-    timeout={settings.timeout!r},
+    timeout={settings.timeout!r},{gpus_arg}
 )
 rank, world_size, local_rank = ns["rank"], ns["world_size"], ns["local_rank"]
 device, groups, mesh, layout = ns["device"], ns["groups"], ns["mesh"], ns["layout"]
@@ -374,11 +424,28 @@ device, groups, mesh, layout = ns["device"], ns["groups"], ns["mesh"], ns["layou
 _FOOTER = "\n\n\ndist.destroy_process_group()\n"
 
 
+def _gpus_lines(gpus: tuple[str, ...]) -> tuple[str, str]:
+    """The script's ``GPUS = (...)`` with its comment, and the argument that passes it:
+    each rank on the GPU its session rank had (ranks sharing one, ``--gpus 0,0``, share it
+    again); nothing for CPU ranks."""
+    if not gpus:
+        return "", ""
+    listed = ", ".join(f'"{g}"' for g in gpus) + ("," if len(gpus) == 1 else "")
+    lines = (
+        "\n# The notebook's GPUs (--gpus): rank i ran on GPUS[i], a CUDA_VISIBLE_DEVICES entry"
+        "\n# of its kernel; each rank sees and uses the same here. None: cuda:LOCAL_RANK.\n"
+        f"GPUS = ({listed})\n"
+    )
+    return lines, "\n    gpus=GPUS,"
+
+
 def pick_settings(session, start_line: str | None, parse_start: Callable) -> Settings:
     """The running session's settings, else those of this kernel's last ``%dist_start`` line
     (parsed by ``parse_start``)."""
     if session is not None:
-        return Settings(session.layout, session.plan.backend, session.plan.timeout)
+        plan = session.plan  # ranks whose host picked their GPU: no choice to carry
+        gpus = plan.gpus if plan.placement.launcher == "local" else ()
+        return Settings(session.layout, plan.backend, plan.timeout, tuple(gpus))
     if start_line is not None:
         return settings_from_start(parse_start(start_line))
     raise DistUsageError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .devices import sharing, sharing_env, visible_entry
+from .devices import rank_gpu, sharing, sharing_env, visible_entry
 from .errors import DistUsageError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -105,12 +105,9 @@ class SessionPlan:
         return "cuda" if self.gpus else "cpu"
 
     def cuda_devices(self, rank: int) -> tuple[str | None, int] | None:
-        """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU. As under torchrun,
-        a rank sees every GPU its node's ranks use, in LOCAL_RANK order, so its own GPU is
-        ``cuda:LOCAL_RANK`` and ``torch.cuda.set_device(LOCAL_RANK)`` works unchanged.
-        Ranks sharing a GPU see it once (CUDA, and torch's _parse_visible_devices, treat a
-        repeated entry as the end of the list), so their device is its place in that list,
-        not LOCAL_RANK. Ranks started by ssh, mpiexec or Slurm get None for
+        """(CUDA_VISIBLE_DEVICES, device index) for ``rank``, None on CPU: the GPUs of its
+        node's ranks, its own at ``cuda:LOCAL_RANK`` (``devices.rank_gpu``, which ranks
+        sharing a GPU change). Ranks started by ssh, mpiexec or Slurm get None for
         CUDA_VISIBLE_DEVICES: they keep what their host or scheduler gave them (see
         ``launcher_device``)."""
         if not self.gpus:
@@ -120,8 +117,7 @@ class SessionPlan:
         if self.placement.launcher != "local":
             return None, local_rank
         on_node = sorted((lr, self.gpus[r]) for r, (n, lr, _) in enumerate(places) if n == node)
-        unique = list(dict.fromkeys(gpu for _, gpu in on_node))
-        return ",".join(unique), unique.index(self.gpus[rank])
+        return rank_gpu([gpu for _, gpu in on_node], local_rank)
 
     @property
     def shared_gpus(self) -> dict[str, tuple[int, ...]]:

@@ -48,22 +48,12 @@ def start(cuda: bool) -> dict:
     """Start profiling this rank (CPU ops, and CUDA where the rank has a GPU). Never raises:
     ``{"started": True}``, ``{"refused": why}`` (a profiler of the user's runs) or
     ``{"error": what}``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     stop_quietly()
     if running_elsewhere():
         return {"refused": "a torch.profiler of your own is running"}
-    # libkineto writes each start and stop to fd 2 (its STAGE and USDT levels, 3 and 5,
-    # above ERROR's 4, so nothing but 6 quiets them), which the next cell would show as
-    # late output. Read once, as the first profiler starts; a user's own setting stays.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    activities = [ProfilerActivity.CPU]
-    if cuda and torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
     try:
         first_id = _last_record_id()
-        prof = profile(activities=activities)
+        prof = new_profiler(cuda)
         prof.start()
         _state.update(prof=prof, marks={}, first_id=first_id)
         _mark(START_MARK)
@@ -74,6 +64,22 @@ def start(cuda: bool) -> dict:
         stop_quietly()
         return {"error": f"{type(e).__name__}: {e}"}
     return {"started": True}
+
+
+def new_profiler(cuda: bool):
+    """torch.profiler as ``%%dist_profile`` runs it (and an exported script's profiled
+    cells): CPU ops, and CUDA ops where the rank has a GPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    # libkineto writes each start and stop to fd 2 (its STAGE and USDT levels, 3 and 5,
+    # above ERROR's 4, so nothing but 6 quiets them), which the next cell would show as
+    # late output. Read once, as the first profiler starts; a user's own setting stays.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    activities = [ProfilerActivity.CPU]
+    if cuda and torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities)
 
 
 def stop(max_bytes: int, rank: int = 0) -> dict:
@@ -89,24 +95,9 @@ def stop(max_bytes: int, rank: int = 0) -> dict:
     calls = _disarm()
     prof = _state.pop("prof")
     prof.stop()
-    # In a new 0700 folder of ours, not beside other users' files: kineto writes
-    # "<path>.tmp" by name, following links, then renames it onto path (a link planted
-    # at that predictable name in /tmp had a rank overwrite any file of its user's).
-    folder = tempfile.mkdtemp(prefix="infini-notebook-trace-")
-    dir_fd = own_files.open_folder(folder)
-    try:
-        prof.export_chrome_trace(os.path.join(f"/proc/self/fd/{dir_fd}", "trace.json"))
-        fd = os.open("trace.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        with os.fdopen(fd, encoding="utf-8") as f:
-            size = os.fstat(fd).st_size
-            if size > max_bytes:
-                return {"too_big": size}
-            text = f.read()
-    finally:
-        for name in os.listdir(dir_fd):
-            os.unlink(name, dir_fd=dir_fd)
-        os.close(dir_fd)
-        os.rmdir(folder)
+    text, size = exported_trace(prof, max_bytes)
+    if text is None:
+        return {"too_big": size}
     entries, lost = _recorded_since(_state["first_id"])
     groups = _group_ranks()
     with _no_gc():
@@ -117,6 +108,26 @@ def stop(max_bytes: int, rank: int = 0) -> dict:
         summary = rank_trace.summarize(trace)
     _state["done"] = (text, events)
     return {"summary": summary, "fr_lost": lost, "group_ranks": groups, "size": size}
+
+
+def exported_trace(prof, max_bytes: float = float("inf")) -> tuple[str | None, int]:
+    """A stopped profiler's Chrome trace: (its text, its size), text None when over
+    ``max_bytes``. Exported in a new 0700 folder of ours, not beside other users' files:
+    kineto writes "<path>.tmp" by name, following links, then renames it onto path (a link
+    planted at that predictable name in /tmp had a rank overwrite any file of its user's)."""
+    folder = tempfile.mkdtemp(prefix="infini-notebook-trace-")
+    dir_fd = own_files.open_folder(folder)
+    try:
+        prof.export_chrome_trace(os.path.join(f"/proc/self/fd/{dir_fd}", "trace.json"))
+        fd = os.open("trace.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            size = os.fstat(fd).st_size
+            return (f.read() if size <= max_bytes else None), size
+    finally:
+        for name in os.listdir(dir_fd):
+            os.unlink(name, dir_fd=dir_fd)
+        os.close(dir_fd)
+        os.rmdir(folder)
 
 
 def write(rank: int, folder: str | None, shift_us: float, flow_base: int) -> dict:

@@ -7,6 +7,7 @@ environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) is set.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -36,12 +37,19 @@ def rank_namespace(layout, device, local_rank: int, timeout=None) -> dict:
 
 
 def torchrun_namespace(
-    layout, *, backend: str = "auto", timeout: float = 300.0, label_output: bool = True
+    layout,
+    *,
+    backend: str = "auto",
+    timeout: float = 300.0,
+    label_output: bool = True,
+    gpus=None,
 ) -> dict:
     """Under torchrun: the same names a session's rank has (see ``rank_namespace``).
 
     Initialises the default group from torchrun's environment with ``backend`` and
-    ``timeout`` (seconds), one GPU per local rank for nccl, then builds ``layout``'s groups.
+    ``timeout`` (seconds), then builds ``layout``'s groups. The device: with ``gpus`` (a
+    CUDA_VISIBLE_DEVICES entry per rank, a session's ``--gpus``), the GPU the session's rank
+    had (``use_gpus``); else one GPU per local rank for nccl, the CPU for gloo.
     ``label_output`` prefixes every line this rank prints with ``[rank N]``, as the notebook
     does. Scripts written by ``%dist_export`` start with it."""
     import torch
@@ -65,9 +73,12 @@ def torchrun_namespace(
     local_rank = int(env["LOCAL_RANK"])
     if label_output:
         label_streams(f"[rank {env['RANK']}]")
+    if gpus:  # before anything starts CUDA: it reads CUDA_VISIBLE_DEVICES once
+        device = torch.device("cuda", use_gpus(gpus, backend, env))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if not gpus:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -80,6 +91,63 @@ def torchrun_namespace(
 
         atexit.register(let_gloo_workers_finish)
     return rank_namespace(layout, device, local_rank)
+
+
+def use_gpus(gpus, backend: str, env) -> int:
+    """Make this torchrun rank see the GPUs a session's ranks saw (CUDA_VISIBLE_DEVICES in
+    ``env``, and NCCL's settings for ranks sharing a GPU, ``--gpus 0,0``): its device index,
+    as the session's rank had it (core/devices.rank_gpu). ``gpus``: a CUDA_VISIBLE_DEVICES
+    entry per rank, on one machine. Call it before anything starts CUDA."""
+    from ..core.devices import rank_gpu, sharing_env
+    from ..core.errors import DistUsageError
+
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if len(gpus) != world or int(env.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise DistUsageError(
+            f"GPUS picks {len(gpus)} GPUs of one machine (the notebook's --gpus), and torchrun "
+            f"started {env.get('LOCAL_WORLD_SIZE')} of {world} ranks here: run the script on "
+            "one machine, or set GPUS = None to give each rank cuda:LOCAL_RANK."
+        )
+    visible, index = rank_gpu(list(gpus), rank)
+    env["CUDA_VISIBLE_DEVICES"] = visible
+    if backend != "gloo":  # ranks sharing a GPU, on nccl (a user's own setting stays)
+        run = env.get("TORCHELASTIC_RUN_ID", "script")
+        for key, value in sharing_env(list(gpus), rank, _nccl_version(), run).items():
+            env.setdefault(key, value)
+    return index
+
+
+def _nccl_version() -> tuple[int, ...] | None:
+    """The NCCL this torch loads (no CUDA context needed), None without one."""
+    try:
+        import torch
+
+        return tuple(torch.cuda.nccl.version())
+    except Exception:  # a CPU wheel
+        return None
+
+
+@contextlib.contextmanager
+def profiled(folder: str, device):
+    """An exported ``%%dist_profile`` cell under torch.profiler, as the notebook ran it (CPU
+    ops, CUDA ops on a GPU); this rank's trace goes to ``folder/rankN.json`` (0700 folder,
+    0600 file, made here), also when the cell raises. Rank 0 says where on stderr."""
+    import torch.distributed as dist
+
+    from . import own_files, profiling
+
+    prof = profiling.new_profiler(device.type == "cuda")
+    prof.start()
+    try:
+        yield prof
+    finally:
+        prof.stop()
+        text, _ = profiling.exported_trace(prof)
+        os.makedirs(folder, 0o700, exist_ok=True)
+        rank = dist.get_rank()
+        path = own_files.write_text(folder, f"rank{rank}.json", text)
+        if rank == 0:
+            print(f"trace of this cell: {path} (one per rank)", file=sys.stderr)
 
 
 GLOO_SETTLE_S = 0.2  # a waiting worker wakes within ms; margin for a loaded machine
