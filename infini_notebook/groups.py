@@ -216,7 +216,8 @@ class ParallelGroups:
                 if kind != "zero1"
                 else (self.layout.zero1_group_of(self.rank))
             )
-            lines.append(f"  {kind:<12} {format_ranks(members):<24} {self.how.get(kind, '')}")
+            label = self.layout.kind_label(kind) if kind != "zero1" else kind
+            lines.append(f"  {label:<12} {format_ranks(members):<24} {self.how.get(kind, '')}")
         lines.append(
             f"  pp prev/next {self.pp_prev}/{self.pp_next}, cp ring ->{self.cp_send_to}"
             f" <-{self.cp_recv_from}, creation calls {self.creation_calls}"

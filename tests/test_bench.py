@@ -155,6 +155,7 @@ def test_rows_carry_nccl_tests_bandwidths(collective, n, size, time_s, algbw, bu
 def test_group_kinds_and_partitions():
     layout = ParallelLayout(8, tp=2, cp=2)
     assert bench.normalize_group_kind(layout, "dp-cp") == "cp-dp"
+    assert bench.normalize_group_kind(layout, "pp-dp-cp-tp") == "world"  # every rank
     assert bench.group_partition(layout, "world") == [list(range(8))]
     assert bench.group_partition(layout, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert bench.group_partition(layout, "chunks:3") == [[0, 1, 2], [3, 4, 5], [6, 7]]

@@ -225,6 +225,9 @@ def test_kinds_are_normalised_to_layout_order():
     assert layout.normalize_kind("pp-dp") == "dp-pp"
     assert layout.groups("dp-pp") == layout.groups("pp-dp")
     assert layout.normalize_kind("world") == "tp-cp-dp-pp"
+    # the group of all ranks is "world" to a user, however it was spelled
+    labels = [layout.kind_label(k) for k in ("world", "pp-tp-dp-cp", "dp-cp", "tp")]
+    assert labels == ["world", "world", "cp-dp", "tp"]
     assert len(layout.kinds()) == 15 and layout.kinds()[:4] == ["tp", "cp", "dp", "pp"]
     assert ParallelLayout(8, tp=2, pp=2, order="pp-dp-cp-tp").normalize_kind("tp-pp") == "pp-tp"
     for bad in ("xp", "tp-tp", "", "tp-"):

@@ -81,6 +81,7 @@ def test_a_group_is_named_alike_in_errors_and_in_the_profile():
     labels = {d: recorder.group_label(d) for d in ("default_pg", "inb_tp", "inb_cp_dp")}
     assert labels == {"default_pg": "world", "inb_tp": "tp", "inb_cp_dp": "cp dp"}
     assert recorder.group_label("inb_cpu_tp") == "tp (gloo twin)"
+    assert recorder.group_label("inb_cpu_tp-cp-dp-pp") == "world (gloo twin)"  # not the dims
     assert timeline._group_label("3", "inb_tp", [2, 3]) == "tp [ranks 2-3]"
     assert timeline._group_label("0", "default_pg", [0, 1, 2, 3]) == "world"
 

@@ -93,6 +93,9 @@ def test_groups_listed_as_compact_rank_ranges():
     assert "[0-1,4-5]" in viz.groups_legend(layout, "tp-pp", None)
     strided = ParallelLayout(32, tp=2)  # dp groups of 16 ranks, stride 2
     assert "[0,2,4,6,8,10,12,14,16,18,20,22,…]" in viz.layout_text(strided, "dp")
+    world = viz.layout_text(layout, "world")  # the group of all ranks is named so
+    assert "letters are world groups" in world and "world groups: A=[0-7]" in world
+    assert "<b>world groups</b>" in viz.groups_legend(layout, "world", None)
 
 
 def test_layout_and_status_render_without_widgets():

@@ -192,6 +192,12 @@ class ParallelLayout:
             )
         return "-".join(d for d in self.dims if d in parts)
 
+    def kind_label(self, kind: str) -> str:
+        """A kind as users read it: ``"world"`` for the group of all ranks (``"world"``
+        normalizes to all four dims, which "tp-cp-dp-pp group 0" said badly), else the kind
+        in layout order."""
+        return kind_label(self.normalize_kind(kind))
+
     def kind_size(self, kind: str) -> int:
         return math.prod([getattr(self, d) for d in self.normalize_kind(kind).split("-")])
 
@@ -273,6 +279,12 @@ class ParallelLayout:
         for d, c in coords.items():
             if not isinstance(c, Integral) or not 0 <= c < getattr(self, d):
                 raise ValueError(f"{d}={c!r} is out of range: valid dims and ranges are {valid}.")
+
+
+def kind_label(kind: str) -> str:
+    """``"world"`` for a kind made of all four dims (whatever their order: every rank), else
+    ``kind`` as given. For labels only; ``ParallelLayout.normalize_kind`` reads both."""
+    return "world" if sorted(kind.split("-")) == sorted(DIMS) else kind
 
 
 def _np():

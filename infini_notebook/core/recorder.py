@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from .layout import kind_label
+
 COMPLETED = "completed"
 
 
@@ -69,8 +71,13 @@ def group_label(desc: str) -> str:
     if desc == "default_pg":
         return "world"
     if desc.startswith("inb_cpu_"):
-        return f"{desc.removeprefix('inb_cpu_').replace('_', ' ')} (gloo twin)"
-    return desc.removeprefix("inb_").replace("_", " ")
+        return f"{_kind(desc.removeprefix('inb_cpu_'))} (gloo twin)"
+    return _kind(desc.removeprefix("inb_"))
+
+
+def _kind(name: str) -> str:
+    """The kind a group description names ('cp_dp' -> 'cp dp'); 'world' for all dims."""
+    return kind_label(name).replace("_", " ")
 
 
 def describe(dump: dict, entry: dict) -> dict:

@@ -69,11 +69,12 @@ def normalize_group_kind(layout, kind: str) -> str:
             raise DistUsageError(f"Bad group {kind!r}: write chunks:N with N >= 1, like chunks:8.")
         return f"chunks:{int(n)}"
     try:
-        return layout.normalize_kind(kind)
+        return layout.kind_label(kind)  # all four dims: "world"
     except ValueError:
+        kinds = ", ".join(dict.fromkeys(map(layout.kind_label, layout.kinds())))
         raise DistUsageError(
             f"Unknown group kind {kind!r}. Use world, chunks:N (runs of N consecutive ranks) or "
-            f"a kind of the layout ({layout.describe()}): {', '.join(layout.kinds())}. "
+            f"a kind of the layout ({layout.describe()}): {kinds}. "
             "Collectives go before --group: %dist_bench all_reduce --group tp dp"
         ) from None
 

@@ -96,7 +96,8 @@ class GroupGrid(widgets.VBox):
         for tile, view in zip(self.tiles, self.tile_views()):
             css = tile_css(view)
             tile.description = view.label
-            tile.tooltip = f"rank {view.rank}: {self.kind} group {group_name(view.group)}"
+            kind = self.layout_.kind_label(self.kind)
+            tile.tooltip = f"rank {view.rank}: {kind} group {group_name(view.group)}"
             tile.style.button_color = view.color
             (tile.add_class if view.dim else tile.remove_class)("infini-dim")
             tile.style.font_weight = "bold" if view.selected else "normal"

@@ -31,6 +31,7 @@ class LayoutLike(Protocol):
     def coords(self, rank: int) -> dict[str, int]: ...
     def kinds(self) -> list[str]: ...
     def normalize_kind(self, kind: str) -> str: ...
+    def kind_label(self, kind: str) -> str: ...
     def kind_size(self, kind: str) -> int: ...
     def groups(self, kind: str) -> list[list[int]]: ...
     def group_of(self, rank: int, kind: str) -> list[int]: ...
@@ -277,6 +278,7 @@ def group_tiles(
 def groups_legend(layout: LayoutLike, kind: str, hosts: Sequence[str] | None) -> str:
     """HTML: each group of ``kind`` as a color swatch and its ranks (first 32)."""
     groups = layout.groups(kind)
+    label = layout.kind_label(kind)
     spanning = spanning_groups(groups, hosts)
     items = []
     for i, g in enumerate(groups[:32]):
@@ -289,13 +291,13 @@ def groups_legend(layout: LayoutLike, kind: str, hosts: Sequence[str] | None) ->
         )
     more = f" … and {len(groups) - 32} more" if len(groups) > 32 else ""
     note = (
-        f'<br><span class="infini-warn">{SPANS_HOSTS} {len(spanning)} {kind} group(s) span '
+        f'<br><span class="infini-warn">{SPANS_HOSTS} {len(spanning)} {label} group(s) span '
         f"hosts (traffic leaves the node)</span>"
         if spanning
         else ""
     )
     return (
-        f'<div style="font-size:12px"><b>{esc(kind)} groups</b> ({len(groups)} groups of '
+        f'<div style="font-size:12px"><b>{esc(label)} groups</b> ({len(groups)} groups of '
         f"{layout.kind_size(kind)} ranks): {''.join(items)}{more}{note}</div>"
     )
 
@@ -306,7 +308,8 @@ def selection_text(layout: LayoutLike, rank: int | None, color_by: str) -> str:
         return "Click a rank to outline all its groups."
     coords = coords_label(layout.coords(rank), layout)
     parts = [f"{k}: {_ranks_text(layout.group_of(rank, k))}" for k in focus_kinds(layout, color_by)]
-    key = f"(solid: selected, dashed: its {color_by} group, dotted: shares another group)"
+    label = layout.kind_label(color_by)
+    key = f"(solid: selected, dashed: its {label} group, dotted: shares another group)"
     return f"rank {rank} ({coords}) is in  " + "   ".join(parts) + f"   {key}"
 
 
@@ -388,14 +391,14 @@ def layout_text(
     rlabels = [row_label(layout, shape, r) for r in range(shape.nrows)]
     width = max(len(x) for x in cells + heads) + 2
     lwidth = max(len(x) for x in rlabels) + 2
-    lines = [f"{layout.describe()}; letters are {kind} groups"]
+    lines = [f"{layout.describe()}; letters are {layout.kind_label(kind)} groups"]
     lines.append(" " * lwidth + "".join(h.ljust(width) for h in heads).rstrip())
     for row, label in enumerate(rlabels):
         chunk = cells[row * shape.ncols : (row + 1) * shape.ncols]
         lines.append(label.ljust(lwidth) + "".join(c.ljust(width) for c in chunk).rstrip())
     groups = layout.groups(kind)
     listed = "  ".join(f"{group_name(i)}={_ranks_text(g)}" for i, g in enumerate(groups[:26]))
-    lines.append(f"{kind} groups: {listed}" + (" …" if len(groups) > 26 else ""))
+    lines.append(f"{layout.kind_label(kind)} groups: {listed}" + (" …" if len(groups) > 26 else ""))
     if any(t.spans_hosts for t in tiles):
         lines.append(f"{SPANS_HOSTS}: the group spans hosts")
     return "\n".join(lines)
