@@ -3,8 +3,9 @@ arrives (``Cell``), the ranks' questions for stdin answered (``Prompts``), ranks
 finish, raise or die (a failure shown at once), what the running ones wait in, waits that
 can never finish released (their group holds a rank that left: ``release.py`` ends them),
 a long wait with no rank gone shown in place with where each rank waits, released ranks
-still stuck given up with their stacks, the Stop button, and the output that trails the
-replies. It asks ``supervision.py`` (liveness, waits, stacks, signals), which never calls
+still stuck given up with their stacks, the Stop button (the ranks that stop leave as ranks
+that raised, so the ones waiting for them are released and the groups rebuilt), and the
+output that trails the replies. It asks ``supervision.py`` (liveness, waits, stacks, signals), which never calls
 back; ``execution.py`` sends the cell before and reads the result after. The pure part
 (who waits for whom, the sentences) is ``core/waits.py``.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 
 from ..core import waits
@@ -56,6 +56,7 @@ class CellWatch:
         self.ended: set[int] = set()  # gone ranks whose process groups were ended
         self.let_go: set[int] = set()  # waiting ranks told to let go (gloo: close; NCCL: abort)
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
+        self.interrupting = False  # the Stop button was pressed
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
         self.found: dict[int, dict | None] = {}  # the latest answers: rank -> its wait
@@ -74,6 +75,7 @@ class CellWatch:
         s, cell = self.s, self.cell
         prompts = Prompts(s, cell, on_answer=self.human_answered)
         s.book.set_busy(cell.targets, True)
+        stuck = None
         try:
             self._follow(prompts)
         except KeyboardInterrupt:
@@ -85,11 +87,12 @@ class CellWatch:
                 ) from None
             stuck = self.interrupt()
             cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
-            raise DistInterrupted(_interrupt_summary(cell.targets, stuck), ranks=stuck) from None
         finally:
             s.book.set_busy(cell.targets, False)
             cell.detach()
             s.rendezvous.drop_unread_answers()
+        if stuck is not None:  # the ranks are out of the cell (but ``stuck``): rebuild
+            raise DistInterrupted(self._after_interrupt(stuck), ranks=stuck) from None
 
     def _follow(self, prompts: Prompts) -> None:
         """The loop: until no rank of the cell is left running."""
@@ -146,25 +149,58 @@ class CellWatch:
             self.cell.note(r, text)
 
     def interrupt(self) -> list[int]:
-        """Stop button: SIGINT every running rank; for ranks that ignore it (stuck in native
-        code, such as a collective whose peers never came), show where they are and what to
-        do: they stay stuck until the collective timeout fires."""
-        s, targets = self.s, self.cell.targets
-        supervision.send_signal(s, signal.SIGINT, targets)
-        self.cell.ar.wait(INTERRUPT_GRACE_S)
-        stuck = [r for r in targets if not self.cell.done(r)]
-        if not stuck:
-            return []
-        s.book.add_stuck(stuck)  # added to: ranks stuck in an earlier cell may still be
-        report = "".join(self._stacks(stuck).values())
-        print(
-            f"{report}{rank_label(stuck)} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck "
-            f"in native code (stacks above). They stay busy until the {s.plan.timeout:.0f} s "
-            f"collective timeout fires; then {recovery.restart_advice(s, after_timeout=True)} "
-            "%dist_restart --hard restarts the engines now.",
-            file=sys.stderr,
-        )
+        """Stop button: SIGINT every running rank. A rank that stops leaves the cell as one
+        that raised, so the ranks waiting for it in a collective (native code: SIGINT
+        cannot end that wait) are released as for a failure, their groups rebuilt after
+        (``_after_interrupt``). Returns the ranks that neither stopped nor were released
+        (native code that ignores both): stuck until the collective timeout, said in one
+        line; their stacks are %dist_stacks' to show."""
+        s, cell = self.s, self.cell
+        running = {r for r in cell.targets if not cell.done(r)}
+        self.interrupting = True
+        supervision.send_signal(s, signal.SIGINT, sorted(running))
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while running and time.monotonic() < deadline:
+            if cell.changed.wait(0.05):
+                cell.changed.clear()
+            finished = {r for r in running if cell.done(r)}
+            if finished:
+                running -= finished
+                self.left(finished, running)
+            if running:
+                self.tick(running)  # asks where they wait; releases waits on ranks gone
+        stuck = sorted(running)
+        if stuck:
+            s.book.add_stuck(stuck)  # added to: ranks stuck in an earlier cell may still be
         return stuck
+
+    def _after_interrupt(self, stuck: list[int]) -> str:
+        """The interrupted cell's one line: who stopped, who was released from a wait on
+        them (their groups rebuilt now, variables kept), who is stuck and what to do."""
+        s, targets = self.s, self.cell.targets
+        stopped = [r for r in targets if r not in self.released and r not in stuck]
+        parts = [f"cell interrupted; {rank_label(stopped)[1:-1]} stopped"] if stopped else []
+        if self.released:
+            parts.append(self.released_text())
+        if stuck:
+            parts.append(
+                f"{rank_label(stuck)[1:-1]} ignored SIGINT for {INTERRUPT_GRACE_S:.0f} s: stuck "
+                f"in native code (%dist_stacks shows where). They stay busy until the "
+                f"{s.plan.timeout:.0f} s collective timeout fires; then "
+                f"{recovery.restart_advice(s, after_timeout=True)} %dist_restart --hard "
+                "restarts the engines now"
+            )
+            return "; ".join(parts) + "."
+        if not self.released:
+            return "; ".join(parts) + ". The session is ready."
+        s.book.cell_ended(
+            targets,
+            failed={r: "interrupted" for r in stopped if self.gone.get(r) == "failed"},
+            released={
+                r: f"was waiting for {rank_label(n)[1:-1]}" for r, n in self.released.items()
+            },
+        )
+        return "; ".join(parts) + ". " + recovery.rebuild_after_release(s)
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Each rank's main thread, labeled, to show."""
@@ -189,7 +225,7 @@ class CellWatch:
                 self.gone[r] = "released"  # a consequence, not a cause
                 continue
             self.gone[r] = "failed" if failed else "finished"
-            if failed and running:
+            if failed and running and not self.interrupting:  # a KeyboardInterrupt: no news
                 self.unshown[r] = time.monotonic()
         if running:  # a failure: ask at once; ranks finishing a cell: a moment later,
             # as the others usually follow within milliseconds (asking 16 ranks at once
@@ -347,15 +383,6 @@ def peer_lost(error: str) -> bool:
 
 def _engine_error(reply) -> bool:
     return getattr(reply, "ename", type(reply).__name__) == "EngineError"
-
-
-def _interrupt_summary(targets: list[int], stuck: list[int]) -> str:
-    if not stuck:
-        return f"cell interrupted; {rank_label(targets)[1:-1]} stopped. The session is ready."
-    return (
-        f"cell interrupted, but {rank_label(stuck)[1:-1]} did not stop (stuck in native code; "
-        "see the stacks above)."
-    )
 
 
 def kernel_shuts_down(grace: float) -> bool:
