@@ -55,10 +55,15 @@ class DebugMagics(Magics):
         """Are the replicas still the same? Compares NAME within every group of a kind
         (default dp: the ranks that should hold the same values) by checksums computed where
         the data lives; DTensors by their placements (ranks holding the same part; a group
-        holding each part once against the first group). Only for leaves that differ, the
-        largest difference from the rank compared with. Prints one line, or a table (group,
-        leaf, ranks, compared_with, max_abs_diff, what); returns
-        the DataFrame where the line is assigned (diffs = %dist_diff model).
+        holding each part once against the first group). Containers by key or index;
+        dataclasses, namedtuples and objects with fields field by field (tensors inside as
+        tensors); torch.Generator by get_state(), numpy generators by bit_generator.state,
+        random.Random by getstate(); sets by content; numpy arrays by their bytes; other
+        values by equality. An object that equals only itself is said not compared. Only for
+        leaves that differ, the largest difference from the rank compared with (a numpy
+        array's also how many elements differ and the first). Prints one line, or a table
+        (group, leaf, ranks, compared_with, max_abs_diff, what); returns the DataFrame where
+        the line is assigned (diffs = %dist_diff model).
         """
         args = parse_argstring(self.dist_diff, line)
         text, df = _session().diff(args.name, args.group, args.atol)

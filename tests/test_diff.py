@@ -481,9 +481,180 @@ def test_conjugate_negative_and_quantized_views_are_described_by_their_values():
 
 
 def test_plain_objects_are_not_told_apart_by_their_addresses():
+    """Nor called identical: an object with no fields and no == of its own equals only
+    itself, so it is not compared (issue 50); one with a == is compared by its repr."""
     from infini_notebook.engine.replica_check import describe
 
     class Config:
         pass
 
-    assert describe(Config())["sum"] == describe(Config())["sum"]
+    class Named:
+        def __eq__(self, other):
+            return type(other) is Named
+
+        def __repr__(self):
+            return f"<Named at {hex(id(self))}>"
+
+    assert describe(Config()) == {"kind": "opaque", "value": "Config", "sum": "Config"}
+    assert describe(Named())["sum"] == describe(Named())["sum"]
+    import torch  # equal only to themselves, but their reprs say what they are
+
+    assert describe(torch.float32)["kind"] == describe(Config)["kind"] == "value"
+    assert describe(torch.float32)["sum"] != describe(torch.bfloat16)["sum"]
+    assert describe(lambda: 0)["kind"] == "opaque"  # "<function <lambda> at 0x...>"
+
+
+# ---------------------------------------------------------------- plain values (issue 50)
+
+
+def _described(value):
+    from infini_notebook.engine.replica_check import describe, leaves
+
+    return {path: describe(v) for path, v in leaves(value).items()}
+
+
+def test_generators_are_compared_by_their_state():
+    import random
+
+    import numpy as np
+    import torch
+
+    def state(g):
+        return _described(g)[""]["sum"]
+
+    torch_gen = torch.Generator().manual_seed(0)
+    assert state(torch_gen) == state(torch.Generator().manual_seed(0))
+    assert state(torch_gen) != state(torch.Generator().manual_seed(1))
+    drawn = torch.Generator().manual_seed(0)
+    torch.rand(1, generator=drawn)  # the same seed, drawn further
+    assert state(drawn) != state(torch_gen)
+    assert state(np.random.default_rng(3)) == state(np.random.default_rng(3))
+    assert state(np.random.default_rng(3)) != state(np.random.default_rng(4))
+    assert state(np.random.RandomState(3)) != state(np.random.RandomState(4))
+    assert state(random.Random(5)) == state(random.Random(5)) != state(random.Random(6))
+    described = _described(np.random.default_rng(3))[""]
+    assert described["value"].startswith("numpy PCG64 seed 3 state "), described
+    assert described["differs"] == "state differs (numpy PCG64, compared by bit_generator.state)"
+    assert _described(random.SystemRandom())[""]["kind"] == "opaque"  # no state to compare
+
+
+def test_sets_and_dicts_are_compared_by_content_whatever_their_order():
+    words = [f"w{i}" for i in range(30)]
+    forward, backward = set(words), set()
+    for w in reversed(words):
+        backward.add(w)
+    assert _described(forward) == _described(backward)
+    assert _described(frozenset(words)) != _described(forward)  # another type
+    assert _described({"a": 1, "b": {2}}) == _described({"b": {2}, "a": 1})  # by key
+    one = _described(forward)[""]
+    assert one["value"].startswith("{'w0', 'w1', 'w10'") and "compared by content" in one["differs"]
+    assert _described({frozenset({"b", "a"}): 1}) == {"frozenset({'a', 'b'})": _described(1)[""]}
+
+
+def test_objects_with_fields_are_compared_field_by_field_with_their_tensors_as_tensors():
+    import collections
+    import dataclasses
+    import threading
+
+    import torch
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float
+        w: torch.Tensor
+        cache: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    Point = collections.namedtuple("Point", "x t")
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+            self.lock = threading.Lock()
+            self.me = self  # a cycle: a reference to where it is, not a walk without end
+
+    class Slotted:
+        __slots__ = ("a", "b")
+
+        def __init__(self):
+            self.a = 1  # b never set: not a field
+
+    cfg = _described(Cfg(0.1, torch.ones(3), {"x": 1}))
+    assert {p: d["kind"] for p, d in cfg.items()} == {"": "type", "lr": "value", "w": "tensor"}
+    assert cfg["w"] == _described(torch.ones(3))[""]
+    assert _described(Cfg(0.1, torch.ones(3))) == cfg  # the field == ignores, ignored
+    assert _described(Cfg(0.1, torch.zeros(3)))["w"]["sum"] != cfg["w"]["sum"]
+    point = _described(Point(1, torch.ones(2)))
+    assert sorted(point) == ["", "t", "x"] and point[""]["value"] == "test_diff.Point"
+    holder = _described(Holder(torch.ones(2)))
+    assert holder["lock"] == {"kind": "opaque", "value": "_thread.lock", "sum": "_thread.lock"}
+    assert holder["me"]["value"] == "<the object at the top>"
+    assert _described(Slotted()) == {"": _described(Slotted())[""], "a": _described(1)[""]}
+
+
+def test_the_comparison_names_types_opaque_values_and_array_positions():
+    from infini_notebook.core.replica_diff import Row, compare, measured, summary, table
+
+    def value(sum_, **more):
+        return {"kind": "value", "sum": sum_, "value": sum_, **more}
+
+    def array(sum_, dtype="<f8", **more):
+        return {"kind": "ndarray", "shape": [10], "dtype": dtype, "device": "cpu", "sum": sum_,
+                **more}  # fmt: skip
+
+    gen = {"differs": "state differs (torch.Generator, compared by get_state())"}
+    leaves = {
+        r: {
+            "": {"kind": "type", "value": f"T{r}", "sum": f"m.T{r}"},
+            "g": value(f"g{r}", **gen),
+            "lock": {"kind": "opaque", "value": "_thread.lock", "sum": "_thread.lock"},
+            "a": array(f"a{r}"),
+            "o": array(f"o{r}", "|O", sendable=False, differs="values differ (an object array)"),
+        }
+        for r in range(2)
+    }
+    result = compare(leaves, [[0, 1]], "dp")
+    what = {r.leaf: r.what for r in result.rows}
+    assert what == {
+        "": "type differs: T0, T1",
+        "g": "state differs (torch.Generator, compared by get_state()): g0, g1",
+        "a": "values differ",
+        "o": "values differ (an object array)",
+    }
+    assert result.transfers == [("a", 0, 1, True)]  # an object array has no bytes to send
+    assert result.opaque == {"lock": "_thread.lock"} and result.values == {"g", "a", "o"}
+    row = next(r for r in result.rows if r.leaf == "a")
+    measured(row, [{"count": 3, "of": 10, "first": [7], "max": 3.0}])
+    assert (row.what, row.max_abs_diff) == ("values differ at 3 of 10 elements, first at [7]", 3.0)
+    assert summary(result, result.rows, "dp", 1, "x") == (
+        "4 differences in 1 of 1 dp group (of 3 values each) "
+        "(not compared: lock (_thread.lock) has no value equality)"
+    )
+    assert table([row], "x")[0][1] == "a"
+    two = Row("g", "a", [1, 3], "values differ")
+    where = [{"count": 1, "of": 1, "first": [], "max": None}, {"count": 2, "of": 4,
+             "first": [0, 1], "max": 2}]  # fmt: skip
+    measured(two, where)
+    assert two.what == "values differ: rank 1 at 1 of 1 element; rank 3 at 2 of 4 elements, " \
+        "first at [0, 1]" and two.max_abs_diff is None  # fmt: skip
+    alone = compare({r: {"": leaves[r]["lock"]} for r in range(2)}, [[0, 1]], "dp")
+    assert summary(alone, alone.rows, "dp", 1, "h") == (
+        "nothing to compare across 1 dp group (not compared: h (_thread.lock) has no value "
+        "equality)"
+    )
+
+
+def test_where_two_numpy_arrays_differ():
+    import numpy as np
+
+    from infini_notebook.engine.plain_values import array_difference
+
+    a = np.arange(12).reshape(3, 4)
+    b = a.copy()
+    b[1, 2], b[2, 0] = -5, 9
+    assert array_difference(b, a) == {"count": 2, "of": 12, "first": [1, 2], "max": 11}
+    big = np.array([2**62, 1], dtype=np.int64)
+    assert array_difference(big + 1, big)["max"] == 1  # exact past 2**53
+    words = np.array(["a", "b", "c"]), np.array(["a", "x", "c"])
+    assert array_difference(*words) == {"count": 1, "of": 3, "first": [1], "max": None}
+    read_only = np.broadcast_to(np.float32(1.5), (4,))
+    assert array_difference(read_only, np.zeros(4, np.float32))["max"] == 1.5

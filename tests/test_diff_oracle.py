@@ -194,4 +194,6 @@ def test_leaves_the_old_checks_crashed_on_or_called_identical(session):
     got = {r["leaf"]: (r["ranks"], r["max_abs_diff"]) for r in df.to_dict("records")}
     assert got["bf16"] == ("rank 3", 96.0) and got["fp8"] == ("rank 3", 1.0), got
     assert got["big"] == ("rank 3", 1), got
-    assert got["arr"][0] == "rank 3", got
+    assert got["arr"] == ("rank 3", 5001), got  # |5000 - (-1)|
+    where = df.set_index("leaf").loc["arr", "what"]
+    assert where == "values differ at 1 of 10000 elements, first at [5000]", where

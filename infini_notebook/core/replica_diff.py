@@ -1,6 +1,8 @@
 """Which leaves differ between replicas (``%dist_diff``), from what each rank described of
 its leaves (engine/replica_check.py: kind, shape, dtype, device, checksum, NaN/Inf, and for
-a DTensor its layout and the part it holds). Pure.
+a DTensor its layout and the part it holds; engine/plain_values.py: a plain value's digest,
+a numpy array's dtype, shape and digest, the type of an object compared field by field, or
+that a value has no value equality). Pure.
 
 Within each group a rank is compared with a reference: for a plain tensor or value the
 group's first rank; for a DTensor the group's first rank that holds the same part (the same
@@ -8,8 +10,9 @@ coordinates along the mesh dims where it is not Replicate), so that shards are n
 compared with other shards. Where a group holds each part of a DTensor once (sharded over
 the whole group, as FSDP2 over dp), the group's whole tensor is compared with the first
 group's, part by part. A row is one leaf of one group that is not the same on every rank:
-missing somewhere, another shape, dtype or layout, other values (the tensors whose values
-differ are then measured on the ranks: ``transfers``), or holding NaN or Inf.
+missing somewhere, another shape, dtype or layout, other values (the tensors and numpy
+arrays whose values differ are then measured on the ranks: ``transfers``), or holding NaN
+or Inf. A leaf with no value equality is not compared, and said so (``opaque``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Comparison:
     # values to measure, in this order: (leaf, reference rank, rank, over the CPU)
     transfers: list[tuple[str, int, int, bool]] = field(default_factory=list)
     tensors: set[str] = field(default_factory=set)  # tensor leaves
-    values: set[str] = field(default_factory=set)  # plain leaves, compared by equality
+    values: set[str] = field(default_factory=set)  # plain leaves and numpy arrays
+    opaque: dict[str, str] = field(default_factory=dict)  # leaf -> type: no value equality
     # DTensor leaves by how they were compared: "parts" (ranks of a group holding the same
     # part), "groups" (each group's whole tensor against the first group's), "once" (one
     # copy in all: nothing to compare)
@@ -68,19 +72,33 @@ def compare(leaves: dict[int, dict[str, dict]], groups: list[list[int]], kind: s
             row = _mismatch(name, path, found)
             first = found[group[0]]
             if first is not None:
-                (out.tensors if first["kind"] == "tensor" else out.values).add(path)
-            if row is None and first["kind"] == "tensor":
+                _count(out, path, first)
+            if row is None and first["kind"] in MEASURED:
                 against, how = _references(found, name, first_copy.setdefault(path, {}))
                 if how:
                     _note(out.dtensors, path, how, bool(against))
                 row = _values_row(name, path, leaves, against)
-                for r in row.ranks if row else []:
+                for r in row.ranks if row and first.get("sendable", True) else []:
                     ref = against[r][0]
                     on_cpu = "cpu" in (leaves[r][path]["device"], leaves[ref][path]["device"])
                     out.transfers.append((path, ref, r, on_cpu))
             if row is not None:
                 out.rows.append(row)
     return out
+
+
+MEASURED = ("tensor", "ndarray")  # leaves whose differences are measured on the ranks
+
+
+def _count(out: Comparison, path: str, first: dict) -> None:
+    """A leaf counted as a tensor, a value, or not compared; an object's type is not a
+    leaf of its own for the count (its fields are)."""
+    if first["kind"] == "tensor":
+        out.tensors.add(path)
+    elif first["kind"] == "opaque":
+        out.opaque[path] = first["value"]
+    elif first["kind"] != "type":
+        out.values.add(path)
 
 
 def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | None:
@@ -96,12 +114,16 @@ def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | Non
         if odd:
             seen = ", ".join(f"{found[r].get(key)}" for r in [ranks[0], *odd])
             return Row(group, path, odd, f"{key} differs: {seen}", against=_first(ranks, odd))
-    if first["kind"] != "tensor":
+    if first["kind"] not in MEASURED:
         odd = [r for r in ranks[1:] if found[r]["sum"] != first["sum"]]
         if odd:
             values = ", ".join(found[r]["value"] for r in [ranks[0], *odd])
-            what = f"value differs (compared by equality): {values}"
-            return Row(group, path, odd, what, against=_first(ranks, odd))
+            how = first.get("differs", "value differs (compared by equality)")
+            if first["kind"] in ("type", "opaque"):
+                how = "type differs"
+            return Row(group, path, odd, f"{how}: {values}", against=_first(ranks, odd))
+        return None
+    if first["kind"] == "ndarray":
         return None
     bad = [r for r in ranks if found[r].get("nan") or found[r].get("inf")]
     if bad:
@@ -159,8 +181,34 @@ def _values_row(
     if not odd:
         return None
     others = sorted({g for r, (_, g) in against.items() if r in odd and g != group})
-    what = " ".join(["values differ", *(f"from {g}" for g in others)])
+    how = leaves[odd[0]][path].get("differs", "values differ")
+    what = " ".join([how, *(f"from {g}" for g in others)])
     return Row(group, path, sorted(odd), what, against={r: against[r][0] for r in sorted(odd)})
+
+
+def measured(row: Row, found: list) -> None:
+    """What the ranks of ``row`` measured, into it: the largest difference (None unless every
+    rank measured one); for a numpy array also where (``{"count", "of", "first", "max"}``
+    from each rank): "values differ at 1 of 10000 elements, first at [5000]"."""
+    largest = [f["max"] if isinstance(f, dict) else f for f in found]
+    known = [v for v in largest if v is not None]
+    row.max_abs_diff = max(known) if known and len(known) == len(largest) else None
+    where = [_where(f) for f in found if isinstance(f, dict)]
+    if not where or len(where) != len(row.ranks):
+        return
+    if len(where) == 1:
+        row.what = f"{row.what} at {where[0]}"
+    else:
+        each = "; ".join(f"{rank_label([r])[1:-1]} at {w}" for r, w in zip(row.ranks, where))
+        row.what = f"{row.what}: {each}"
+
+
+def _where(found: dict) -> str:
+    """'1 of 10000 elements, first at [5000]'."""
+    text = f"{found['count']} of {count(found['of'], 'element')}"
+    if found["of"] > 1:
+        text += f", first at [{', '.join(map(str, found['first']))}]"
+    return text
 
 
 def drop_within(rows: list[Row], atol: float) -> list[Row]:
@@ -176,9 +224,12 @@ def drop_within(rows: list[Row], atol: float) -> list[Row]:
     ]
 
 
-def summary(comparison: Comparison, rows: list[Row], kind: str, ngroups: int) -> str:
+def summary(
+    comparison: Comparison, rows: list[Row], kind: str, ngroups: int, expression: str = ""
+) -> str:
     """'all 24 tensors identical across 2 dp groups', or how many leaves differ where; and,
-    for DTensors, what was compared."""
+    for DTensors, what was compared; what was not compared (no value equality), by its
+    path in ``expression``."""
     groups = count(ngroups, f"{kind} group")
     how = list(comparison.dtensors.values())
     compared = len(comparison.tensors) - how.count("once")
@@ -208,7 +259,18 @@ def summary(comparison: Comparison, rows: list[Row], kind: str, ngroups: int) ->
         notes.append(
             f"{count(how.count('once'), 'DTensor')} with each part on one rank only: not compared"
         )
+    if comparison.opaque:
+        notes.append(not_compared(comparison.opaque, expression))
     return line + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def not_compared(opaque: dict[str, str], expression: str, shown: int = 3) -> str:
+    """'not compared: lock (_thread.lock) has no value equality': the first few leaves by
+    their path, and how many more."""
+    names = [f"{path or expression} ({t})" for path, t in sorted(opaque.items())]
+    more = len(names) - shown
+    listed = ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+    return f"not compared: {listed} {'has' if len(names) == 1 else 'have'} no value equality"
 
 
 def count(n: int, noun: str) -> str:

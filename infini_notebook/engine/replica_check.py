@@ -1,39 +1,65 @@
 """``%dist_diff`` on a rank: the leaves of a value (tensor, module, optimizer, state dict,
-nested dicts, lists and tuples), each described in a few bytes (shape, dtype, checksum of
-its data where it lives: engine/tensor_hash.py; for a DTensor, its placements and which part
-this rank holds); then, for the leaves that differ, the largest difference from the rank
-each was compared with, sent from that rank. The comparison is core/replica_diff.py.
+nested dicts, lists and tuples, objects with fields), each described in a few bytes (shape,
+dtype, checksum of its data where it lives: engine/tensor_hash.py; for a DTensor, its
+placements and which part this rank holds; a plain value's digest: engine/plain_values.py);
+then, for the tensors and numpy arrays that differ, the largest difference from the rank
+each was compared with (for an array also where), sent from that rank. The comparison is
+core/replica_diff.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
-import sys
 from collections.abc import Mapping
 from typing import Any
 
+from . import plain_values
 from .tensor_hash import checksum, word_dtype, words
 
 
 def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Path -> tensor or plain value: modules and optimizers by their state dicts."""
+    """Path -> tensor or plain value: modules and optimizers by their state dicts, dicts by
+    key, lists and tuples by index, namedtuples, dataclasses and other objects with fields
+    field by field (their type a leaf of its own: ``plain_values.TypeOf``)."""
+    out: dict[str, Any] = {}
+    _walk(obj, prefix, out, {})
+    return out
+
+
+def _walk(obj: Any, path: str, out: dict[str, Any], inside: dict[int, str]) -> None:
+    """``obj``'s leaves into ``out``; ``inside``: the containers it is in, by id, with their
+    paths (a field that refers back to one is a ``Reference``, not a walk without end)."""
     import torch
 
     if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         obj = obj.state_dict()
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    out: dict[str, Any] = {}
+    if isinstance(obj, torch.Tensor) or plain_values.generator_state(obj) is not None:
+        out[path] = obj
+        return
+    dot = f"{path}." if path else ""
     if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            out.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.update(leaves(value, f"{prefix}[{i}]"))
+        items = [(dot + _key(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)) and not hasattr(type(obj), "_fields"):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
-        out[prefix] = obj
-    return out
+        found = plain_values.fields(obj)
+        if not found:  # a plain value, or an object with no fields
+            out[path] = obj
+            return
+        items = [(dot + name, v) for name, v in found]
+    if id(obj) in inside:
+        out[path] = plain_values.Reference(inside[id(obj)])
+        return
+    if not isinstance(obj, (Mapping, list, tuple)) or hasattr(type(obj), "_fields"):
+        out[path] = plain_values.TypeOf(obj)
+    inside[id(obj)] = path
+    for at, value in items:
+        _walk(value, at, out, inside)
+    del inside[id(obj)]
+
+
+def _key(key: Any) -> str:
+    """A dict key in a path: itself, a set's elements in a sorted order."""
+    return plain_values.show(key) if isinstance(key, (set, frozenset)) else str(key)
 
 
 def local(t):
@@ -103,33 +129,12 @@ def _any(check, t) -> bool:
         return bool(check(t.float()).any())
 
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def describe_value(value: Any) -> dict:
-    """A plain leaf, compared by equality: its repr's digest; a numpy array's by its dtype,
-    shape and bytes (a long array's repr elides the middle)."""
-    # an object's default repr holds its address, different on every rank
-    text = _ADDRESS.sub(" at 0x...", repr(value))
-    digest = hashlib.blake2b(digest_size=16)
-    np = sys.modules.get("numpy")  # an ndarray means numpy is imported
-    if np is not None and isinstance(value, np.ndarray):
-        digest.update(f"{value.dtype.str} {value.shape}".encode())
-        if value.dtype.hasobject:
-            digest.update(repr(value.tolist()).encode())
-        else:
-            digest.update(np.ascontiguousarray(value).view(np.uint8))
-    else:
-        digest.update(text.encode())
-    return {"kind": "value", "value": text[:120], "sum": digest.hexdigest()}
-
-
 def describe(value: Any) -> dict:
     """What the kernel compares of one leaf."""
     import torch
 
     if not isinstance(value, torch.Tensor):
-        return describe_value(value)
+        return plain_values.describe(value)
     t = local(value)
     return {
         "kind": "tensor",
@@ -207,8 +212,11 @@ def measure(found: dict, transfers: list[tuple[str, int, int, bool]], groups, cp
     twin = groups.cpu_group("world") if cpu else None
     out = {}
     for path, src, dst, on_cpu in transfers:
-        mine = local(found[path])
-        payload, pg = as_bytes(mine), None
+        leaf = found[path]
+        array = not isinstance(leaf, torch.Tensor)  # a numpy array
+        mine = leaf if array else local(leaf)
+        payload = _array_payload(leaf) if array else as_bytes(mine)
+        pg = None
         if on_cpu or groups.backend == "gloo":
             payload, pg = payload.cpu(), twin
         if dist.get_rank() == src:
@@ -216,8 +224,19 @@ def measure(found: dict, transfers: list[tuple[str, int, int, bool]], groups, cp
             continue
         got = torch.empty_like(payload)
         dist.recv(got, src, group=pg)
-        out[path] = largest_difference(mine, from_bytes(got.to(mine.device), mine))
+        if array:
+            theirs = got.numpy().view(leaf.dtype).reshape(leaf.shape)
+            out[path] = plain_values.array_difference(leaf, theirs)
+        else:
+            out[path] = largest_difference(mine, from_bytes(got.to(mine.device), mine))
     return out
+
+
+def _array_payload(a):
+    """A numpy array's bytes as a uint8 tensor (a copy: the array may be read-only)."""
+    import torch
+
+    return torch.from_numpy(plain_values.array_bytes(a).copy())
 
 
 def as_bytes(t):

@@ -1,7 +1,7 @@
 """``%dist_diff``: are the replicas still the same? Each rank describes the leaves of a name
 (engine/replica_check.py), the kernel compares them within each group of a kind
-(core/replica_diff.py), and only the tensors that differ are measured, on the ranks, over
-their group."""
+(core/replica_diff.py), and only the tensors and numpy arrays that differ are measured, on
+the ranks, over their group."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..core.replica_diff import (
     Comparison,
     compare,
     drop_within,
+    measured,
     summary,
     table,
     unreadable,
@@ -24,8 +25,9 @@ def default_kind(layout) -> str:
 
 
 def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
-    """Compare ``expression`` (a tensor, module, optimizer, state dict or nested container
-    on each rank) across every group of ``kind``. Returns (summary line, DataFrame)."""
+    """Compare ``expression`` (a tensor, module, optimizer, state dict, nested container,
+    object with fields or plain value on each rank) across every group of ``kind``. Returns
+    (summary line, DataFrame)."""
     import pandas as pd
 
     kind = kind or default_kind(s.layout)
@@ -42,12 +44,12 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
     _measure(s, expression, comparison)
     rows = drop_within(comparison.rows, atol)
     df = pd.DataFrame(table(rows, expression), columns=list(COLUMNS))
-    return summary(comparison, rows, kind, len(groups)), df
+    return summary(comparison, rows, kind, len(groups), expression), df
 
 
 def _measure(s, expression: str, comparison: Comparison) -> None:
-    """The largest difference of each leaf whose values differ from its reference rank's:
-    the reference sends, the rank compares."""
+    """The largest difference of each leaf whose values differ from its reference rank's
+    (for a numpy array also where): the reference sends, the rank compares."""
     if not comparison.transfers:
         return
     s.require_whole()
@@ -59,11 +61,10 @@ def _measure(s, expression: str, comparison: Comparison) -> None:
         for r in range(s.world_size)
     }
     found = s.apply_each(calls, "max_diffs")
+    measuring = {path for path, *_ in comparison.transfers}
     for row in comparison.rows:
-        if row.what.startswith("values differ"):
-            values = [found[r].get(row.leaf) for r in row.ranks]
-            known = [v for v in values if v is not None]
-            row.max_abs_diff = max(known) if len(known) == len(values) else None
+        if row.leaf in measuring and row.what.startswith("values differ"):
+            measured(row, [found[r].get(row.leaf) for r in row.ranks])
 
 
 def _involving(comparison: Comparison, rank: int) -> list[tuple[str, int, int, bool]]:
