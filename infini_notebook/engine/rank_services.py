@@ -221,7 +221,26 @@ def _dump_stacks(scratch) -> str:
     faulthandler.dump_traceback(file=scratch, all_threads=True)
     scratch.seek(0)
     dump = scratch.read().decode(errors="replace")
-    return as_seen_by_thread(dump, threading.main_thread().ident, threading.get_ident())
+    return cells_named(
+        as_seen_by_thread(dump, threading.main_thread().ident, threading.get_ident())
+    )
+
+
+def cells_named(dump: str) -> str:
+    """Cells named as the notebook names them (``In[7]``), not by the temporary file
+    IPython compiled each to (``/tmp/ipykernel_<pid>/<hash>.py``, a pid per rank): the
+    shell's ``compile._filename_map`` holds each cell's number (engine/cell_names.py puts
+    the notebook's there)."""
+    try:
+        from IPython import get_ipython
+
+        names = dict(getattr(getattr(get_ipython(), "compile", None), "_filename_map", {}))
+    except ImportError:
+        return dump
+    for filename, number in names.items():
+        if isinstance(number, int) and filename in dump:
+            dump = dump.replace(f'File "{filename}"', f'File "In[{number}]"')
+    return dump
 
 
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
