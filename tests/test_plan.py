@@ -345,41 +345,34 @@ def test_threads_per_rank_share_the_hosts_cpus_unless_given():
         make_plan(nprocs=2, threads=0, visible_gpus=[])
 
 
-def test_a_cell_error_shows_its_root_cause_on_a_short_first_line_and_the_rest_below():
-    """Issue 40 items 5 and 7: each part of the summary on its own line, no line over
-    WIDTH and none broken mid-word (JupyterLab breaks longer output lines anywhere);
-    what continues a part is indented further, so no sentence runs on across a break."""
-    from infini_notebook.core.errors import WIDTH, DistCellError, DistUsageError
+def test_a_cell_error_shows_its_root_cause_on_its_own_line_and_each_part_whole_below():
+    """Issue 40 items 5 and 7: each part of the summary on its own line. Issue 50: no line
+    is broken at a width of ours (JupyterLab wraps at the notebook's width, and broke our
+    100-column lines again mid-word in a narrower notebook: "re-cre" / "ate")."""
+    from infini_notebook.core.errors import DistCellError, DistInterrupted, DistUsageError
     from infini_notebook.kernel.recovery import rebuild_after_release
 
     class Rebuilt:  # a session whose soft restart works
         def restart(self, after_failure):
             pass
 
-    summary = (
-        "rank 1: ValueError: boom; ranks 0,2-3 were waiting for rank 1 in the cell's 1st "
-        "all_reduce (#3 on the world group) at In[7], line 6: released. "
-        + rebuild_after_release(Rebuilt())
+    waited = (
+        "ranks 0,2-3 were waiting for rank 1 in the cell's 1st all_reduce (#3 on the world "
+        "group) at In[7], line 6: released."
     )
+    advice = rebuild_after_release(Rebuilt())
+    summary = f"rank 1: ValueError: boom; {waited} {advice}"
     shown = DistCellError(summary, "[rank 1]\ntrace")._render_traceback_()
     assert shown == [
         "[rank 1]",
         "trace",
         "\x1b[0;31mDistCellError\x1b[0m: rank 1: ValueError: boom",
-        "  ranks 0,2-3 were waiting for rank 1 in the cell's 1st all_reduce (#3 on the world "
-        "group) at In[7],",
-        "    line 6: released.",
-        "  The process groups were rebuilt (variables kept), so `groups` and `mesh` are new: "
-        "re-create what",
-        "    you built on the old ones (DDP or FSDP modules, your own DeviceMesh or new_group).",
+        f"  {waited}",
+        f"  {advice}",
     ]
-    assert all(len(line) <= WIDTH for line in shown[3:])
+    assert len(advice) > 100 and "re-create" in advice  # the sentence that was cut in two
     long = "The process groups are not whole: a collective timed out. Run %dist_restart first. "
-    one = DistUsageError(long.strip())._render_traceback_()  # 98 characters: one line
-    assert one == [f"\x1b[0;31mDistUsageError\x1b[0m: {long.strip()}"]
-    usage = DistUsageError(long * 2)._render_traceback_()
-    assert usage[0].startswith("\x1b[0;31mDistUsageError\x1b[0m: The process groups")
-    assert len(usage) == 2 and usage[1].startswith("  ")
-    assert all(len(line) <= WIDTH for line in usage[1:])
-    shown_words = " ".join(usage).replace("\x1b[0;31mDistUsageError\x1b[0m:", "").split()
-    assert shown_words == (long * 2).split()  # every word whole, in order
+    usage = DistUsageError(long * 3)._render_traceback_()
+    assert usage == [f"\x1b[0;31mDistUsageError\x1b[0m: {long * 3}"]  # one line, whole
+    stop = DistInterrupted(summary)._render_traceback_()
+    assert stop == [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {summary}"]

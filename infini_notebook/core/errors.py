@@ -7,40 +7,25 @@ traceback: the interesting frames live on the ranks, not in our plumbing.
 from __future__ import annotations
 
 import re
-import textwrap
 
 # Where a summary's parts meet: "; " between causes, and the sentence of advice after them
 # (so a sentence of advice holds no "; ": it would be cut in two lines).
 _PARTS = re.compile(r"; |(?<=\.) (?=[A-Z%])")
-# The longest line of a message. JupyterLab wraps longer output lines anywhere, mid-word
-# too (``word-break: break-all`` on output <pre>), so ours are wrapped between words first.
-WIDTH = 100
+# No line is wrapped at a width of ours: JupyterLab wraps output lines at the notebook's
+# width (``word-break: break-all``), and lines we had broken at 100 columns were broken
+# again in a narrower notebook ("re-cre" / "ate"). Each part of a message gets its own line.
 
 
-def wrap(name: str, text: str, indent: str = "  ") -> list[str]:
-    """``name: text`` (name in red) in lines of at most WIDTH characters, broken between
-    words, continuation lines indented; a word longer than a line is left whole."""
-    lines = textwrap.wrap(
-        f"{name}: {text}", WIDTH, subsequent_indent=indent,
-        break_long_words=False, break_on_hyphens=False,
-    )  # fmt: skip
-    first = lines[0] if lines else f"{name}:"
-    return [f"\x1b[0;31m{name}\x1b[0m{first[len(name) :]}", *lines[1:]]
-
-
-def wrap_part(text: str) -> list[str]:
-    """A further part of a message: indented 2, its continuation lines 4."""
-    return textwrap.wrap(
-        text, WIDTH, initial_indent="  ", subsequent_indent="    ",
-        break_long_words=False, break_on_hyphens=False,
-    )  # fmt: skip
+def headline(name: str, text: str) -> str:
+    """``name: text`` with the name in red, on one line."""
+    return f"\x1b[0;31m{name}\x1b[0m: {text}"
 
 
 class DistUsageError(Exception):
     """A user mistake (bad flag, wrong state). The message names the fix."""
 
     def _render_traceback_(self) -> list[str]:
-        return wrap("DistUsageError", str(self))
+        return [headline("DistUsageError", str(self))]
 
 
 class DistCellError(Exception):
@@ -57,18 +42,14 @@ class DistCellError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         """The labeled tracebacks, then the summary: its first part (the root cause) on the
-        error's own line, and each further part on a line below, every line broken between
-        words to fit WIDTH (its continuations indented further)."""
+        error's own line, and each further part on a line below, indented."""
         lines = self.report.splitlines() if self.report else []
         head, *rest = _PARTS.split(self.summary)
-        lines += wrap("DistCellError", head, "    ")
-        for part in rest:
-            lines += wrap_part(part)
-        return lines
+        return [*lines, headline("DistCellError", head), *(f"  {part}" for part in rest)]
 
 
 class DistInterrupted(DistCellError):
     """The user stopped a running cell (Jupyter's stop button, Ctrl-C)."""
 
     def _render_traceback_(self) -> list[str]:
-        return wrap("KeyboardInterrupt", self.summary)
+        return [headline("KeyboardInterrupt", self.summary)]
