@@ -60,7 +60,8 @@ def test_a_warning_raised_on_every_rank_is_shown_once_named_by_the_notebook_cell
     warned = [line for line in err if "FutureWarning: old api" in line]
     assert len(warned) == 1, err
     number = cell.execution_count  # the notebook's own number for that cell
-    assert re.fullmatch(rf"\[ranks 0-3\] In\[{number}\]:2: FutureWarning: old api", warned[0])
+    # the editor's line: the %%dist line is line 1 (issue 50)
+    assert re.fullmatch(rf"\[ranks 0-3\] In\[{number}\]:3: FutureWarning: old api", warned[0])
     # the source line under it, merged too
     assert "[ranks 0-3]   warnings.warn('old api', FutureWarning)" in err, err
 
@@ -69,8 +70,28 @@ def test_a_traceback_names_the_notebook_cell_on_every_rank(ranks4):
     ranks4.run("%%dist --ranks 0\nx = 1")  # rank 0 has now run a cell the others have not
     cell = ranks4.run("%%dist\n1 / 0", allow_error=True)
     tb = text_of(cell, "error")
-    assert f"In[{cell.execution_count}], line 1" in re.sub(r"\x1b\[[0-9;]*m", "", tb), tb
+    assert f"In[{cell.execution_count}], line 2" in re.sub(r"\x1b\[[0-9;]*m", "", tb), tb
     assert "[ranks 0-3]" in tb  # one traceback for all: the same cell name on every rank
+
+
+def test_a_traceback_is_shown_once_for_every_rank_that_raised_it_at_the_editors_line(ranks4):
+    """Issue 50: a failure shown as it came (ranks 1-3, while rank 0 still ran) and again in
+    the cell's error; a SyntaxError on every rank named the rank's temporary file. Lines
+    are the editor's: the %%dist line is line 1, blank lines count."""
+    strip = re.compile(r"\x1b\[[0-9;]*m")
+    cell = ranks4.run("%%dist\n\nx = (\n", allow_error=True)
+    shown = strip.sub("", text_of(cell))
+    assert shown.count("SyntaxError: incomplete input") == 2, shown  # traceback + summary
+    assert shown.count(f"Cell In[{cell.execution_count}], line 3") == 1, shown
+    assert f"ranks 0-3: SyntaxError: incomplete input (In[{cell.execution_count}], line 3)" in shown
+    cell = ranks4.run(
+        "%%dist\nimport time\nif rank == 0:\n    time.sleep(1)  # the others fail first\n1 / 0",
+        allow_error=True,
+    )
+    shown = strip.sub("", text_of(cell))
+    assert shown.count("Traceback (most recent call last)") == 1, shown
+    assert shown.count("[ranks 0-3]\n") == 1 and "[rank " not in shown, shown
+    assert f"Cell In[{cell.execution_count}], line 5" in shown, shown
 
 
 LIVE_PLOT = """%%dist

@@ -20,11 +20,12 @@ from infini_notebook.launch.watchdog import LEASE, MARK, read_json
 pytestmark = pytest.mark.timeout(600)
 
 
-# Kernel code: until every rank runs line 3 of the background cell (its sleep).
+# Kernel code: until every rank runs line 4 of the background cell (its sleep: the
+# editor's line, %%dist is line 1).
 IN_THE_CELL = """\
 import time as _t
 _deadline = _t.monotonic() + 30
-while not all("line 3 in <module>" in d for d in dist_session.stacks().values()):
+while not all("line 4 in <module>" in d for d in dist_session.stacks().values()):
     assert _t.monotonic() < _deadline, dist_session.stacks()
     _t.sleep(0.1)"""
 
@@ -152,7 +153,7 @@ def test_a_kept_session_survives_restart_and_kill_and_is_driven_by_one_kernel():
             assert time.monotonic() < deadline, len(grown)
             first.run("%dist_status")
             time.sleep(0.2)
-        assert "line 3 in <module>" in text_of(first.run("%dist_stacks"))  # the sleep
+        assert "line 4 in <module>" in text_of(first.run("%dist_stacks"))  # the sleep
         assert "stuck" in text_of(first.run("%dist_status"))
         assert "Interrupted ranks [0, 1]" in text_of(first.run("%dist_interrupt"))
         deadline = time.monotonic() + 30

@@ -67,7 +67,7 @@ def test_world_collective_waiting_for_a_raised_rank(tp_kernel):
     # numbered within the cell (its 2nd all_reduce), the world group's number beside it
     assert re.search(
         r"ranks 1-3 were waiting for rank 0 in the cell's 2nd all_reduce \(#\d+ on the world "
-        r"group\) at In\[\d+\], line 6: released", summary
+        r"group\) at In\[\d+\], line 7: released", summary
     ), summary  # fmt: skip
     assert "so `groups` and `mesh` are new: re-create what you built" in summary
     assert "Connection closed" not in err  # no noise from the released

@@ -58,7 +58,7 @@ def test_status_after_a_failure_the_rebuild_fixed_says_idle_with_a_note(kernel):
     kernel.run("%%dist\nkeep = rank", timeout=60)
     cell = kernel.run(RAISES_WHILE_OTHERS_WAIT, allow_error=True, timeout=120)
     err = text_of(cell, "error")  # the wait is named by the notebook's cell number (item 3)
-    assert f"In[{cell.execution_count}], line 6" in err, err
+    assert f"In[{cell.execution_count}], line 7" in err, err  # the editor's line
     rows = text_of(
         kernel.run("for r in dist_session.status(): print(r.rank, r.state, '|', r.note)")
     ).splitlines()

@@ -58,7 +58,7 @@ def test_torch_distributed_breakpoint_steps_through_rank_1_while_rank_0_waits(ke
     assert "Type 'up'" not in out and "distributed/__init__.py" not in out, out
     # the user's frame, at the breakpoint's own line; pdb names the cell as the notebook does
     assert re.search(
-        r"\[rank 1\] > In\[\d+\]\(2\)<module>\(\)\n"
+        r"\[rank 1\] > In\[\d+\]\(3\)<module>\(\)\n"
         r"\[rank 1\] -> torch.distributed.breakpoint\(rank=1\)\n",
         out,
     ), out

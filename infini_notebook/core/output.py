@@ -187,6 +187,21 @@ def error_report(tracebacks: dict[int, str]) -> str:
     return "".join(parts)
 
 
+def merge_told(told: dict[int, str], failed: dict[int, str]) -> dict[int, tuple[int, ...]]:
+    """Tracebacks shown as they came (``told``: rank -> traceback, while other ranks still
+    ran) with the identical ones of other ``failed`` ranks: the rank whose note stays ->
+    every rank it now stands for, so that a traceback is shown once (a SyntaxError on 8
+    ranks came as a few notes and again in the cell's error). Ranks not named stay apart."""
+    groups: dict[str, list[int]] = {}
+    for r in sorted(told):
+        groups.setdefault(_CELL_COUNT.sub("In[ ]", told[r]), []).append(r)
+    for r in sorted(failed):
+        key = _CELL_COUNT.sub("In[ ]", failed[r])
+        if r not in told and key in groups:
+            groups[key].append(r)
+    return {ranks[0]: tuple(sorted(ranks)) for ranks in groups.values()}
+
+
 def error_summary(errors: dict[int, str], all_ranks: list[int]) -> str:
     """One line: which ranks failed with what, and which did not."""
     by_error = group_identical(errors)

@@ -8,16 +8,21 @@ on 64 ranks was 64 different lines. The kernel sends the notebook's name for the
 the execute request's label (ipyparallel 9 keeps it in the request's metadata); IPython
 names a cell in tracebacks from ``compile._filename_map`` (IPython/core/compilerop.py,
 ``format_code_name``), which ``cache`` fills as the cell is compiled.
+
+Lines are counted as the notebook's editor counts them (core/cell_lines.py): the label
+says where the code starts, and the cell is compiled and cached (``linecache``) after as
+many blank lines, so tracebacks, warnings, SyntaxErrors and pdb all name the editor's line.
 """
 
 from __future__ import annotations
 
 import linecache
-import re
 import warnings
 
-_LABEL = re.compile(r"In\[(\d+)\]")
+from ..core import cell_lines
+
 _state: dict = {}
+_shift: dict[str, int] = {}  # a cell's file name -> the editor lines before its code
 
 
 def install(shell) -> bool:
@@ -28,6 +33,7 @@ def install(shell) -> bool:
     ok = compiler is not None and isinstance(getattr(compiler, "_filename_map", None), dict)
     if ok:
         _hook_cache(shell, compiler)
+        _hook_parse(compiler)
         _hook_warnings(compiler)
         _hook_debugger(compiler)
     _state["installed"] = ok
@@ -36,8 +42,13 @@ def install(shell) -> bool:
 
 def notebook_number(shell) -> int | None:
     """The notebook's number for the request being run, from its label, if it has one."""
-    match = _LABEL.fullmatch(str((_request(shell).get("metadata") or {}).get("label") or ""))
-    return int(match.group(1)) if match else None
+    where = _where(shell)
+    return where[0] if where else None
+
+
+def _where(shell) -> tuple[int, int] | None:
+    """(notebook number, the editor line its code starts on), from the request's label."""
+    return cell_lines.parse(str((_request(shell).get("metadata") or {}).get("label") or ""))
 
 
 def request_id(shell) -> str | None:
@@ -58,12 +69,38 @@ def _hook_cache(shell, compiler) -> None:
 
     def cache(transformed_code, number=0, raw_code=None):
         name = original(transformed_code, number, raw_code)
-        ours = notebook_number(shell)
-        if ours is not None:
-            compiler._filename_map[name] = ours
+        where = _where(shell)
+        _shift.pop(name, None)
+        if where is not None:
+            compiler._filename_map[name] = where[0]
+            raw = transformed_code if raw_code is None else raw_code
+            shift = where[1] - 1 + cell_lines.leading_blank_lines(raw)
+            entry = linecache.cache.get(name)
+            if shift > 0 and entry is not None:
+                _shift[name] = shift
+                linecache.cache[name] = (*entry[:2], ["\n"] * shift + entry[2], *entry[3:])
         return name
 
     compiler.cache = cache
+
+
+def _hook_parse(compiler) -> None:
+    """The cell's code parsed after its editor lines before it: every line number of its
+    code objects, and of a SyntaxError, is the editor's. A SyntaxError names the cell as
+    the notebook does (its text said the temporary file's name)."""
+    original = compiler.ast_parse
+
+    def ast_parse(source, filename="<unknown>", symbol="exec"):
+        try:
+            return original("\n" * _shift.get(filename, 0) + source, filename, symbol)
+        except SyntaxError as e:
+            number = compiler._filename_map.get(filename)
+            if number is not None and e.filename == filename:
+                e.filename = f"In[{number}]"  # shown as "Cell In[7], line 3" still:
+                compiler._filename_map.setdefault(e.filename, number)  # format_code_name
+            raise
+
+    compiler.ast_parse = ast_parse
 
 
 def _hook_warnings(compiler) -> None:

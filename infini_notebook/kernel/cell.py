@@ -10,7 +10,8 @@ import threading
 import time
 
 from ..core import internals
-from ..core.output import StreamLabeler
+from ..core.output import StreamLabeler, merge_told, remote_traceback
+from ..core.ranks import rank_label
 from ..core.transcript import Item, Transcript
 from .output_files import OutputFiles
 from .printers import Printer, show_items
@@ -57,6 +58,8 @@ class Cell:
         self.futures = dict(zip(targets, ar._children))
         self.transcript = Transcript(targets)
         self.shown: list[Item] = []  # what the cell's output shows now, in order
+        self.told: dict[int, str] = {}  # rank -> its traceback, shown as it came
+        self.told_for: set[int] = set()  # failed ranks whose traceback a note shows
         self.changed = threading.Event()
         self.dirty = set(targets)  # ranks with output not looked at yet
         self._events: dict[int, list[tuple]] = {r: [] for r in targets}  # arrived, not shown
@@ -262,6 +265,30 @@ class Cell:
         self.transcript.add_note(rank, text)
         self._emit([Item((rank,), "note", text)])
 
+    def failure_note(self, rank: int, traceback: str) -> None:
+        """A rank's traceback shown as it came, while others still run (the root cause)."""
+        self.told[rank] = traceback
+        self.told_for.add(rank)
+        self.note(rank, _failure_text((rank,), traceback))
+
+    def _merge_told(self) -> None:
+        """Notes of identical tracebacks merged into the first, labeled with every rank that
+        raised it, the ranks raising it later included: the traceback is shown once."""
+        failed = {}
+        for r in self.targets:
+            reply = self.futures[r].result() if self.done(r) else None
+            if isinstance(reply, BaseException) and r not in self.told:
+                failed[r] = remote_traceback(reply)
+        for keeper, ranks in merge_told(self.told, failed).items():
+            self.told_for.update(ranks)
+            if ranks == (keeper,) or not self._can_replay():  # shown already: left as is
+                continue
+            old = _failure_text((keeper,), self.told[keeper])
+            self.transcript.replace_note(keeper, old, _failure_text(ranks, self.told[keeper]))
+            for r in ranks:
+                if r in self.told and r != keeper:
+                    self.transcript.replace_note(r, _failure_text((r,), self.told[r]), None)
+
     def _emit(self, items: list[Item]) -> None:
         if items:
             show_items(self.printer, items)
@@ -283,7 +310,10 @@ class Cell:
     def render_final(self) -> None:
         """Once every rank's output is in: the cell's output in rank order, identical
         warnings (and with --collapse, identical lines) merged; left as is when that is
-        what shows already. Figures of several ranks are shown together, in a grid."""
+        what shows already. Figures of several ranks are shown together, in a grid; notes
+        of identical tracebacks as one (``_merge_told``)."""
+        if self.told:
+            self._merge_told()
         items = self.transcript.render(self.labeler.collapse, figures_together=True)
         if items != self.shown:
             self._replay(items)
@@ -304,3 +334,7 @@ class Cell:
             return
         self._live_at, self._live_text = now, text
         live(text)
+
+
+def _failure_text(ranks, traceback: str) -> str:
+    return f"{rank_label(list(ranks))}\n{traceback.rstrip()}\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..core import async_cells
+from ..core import async_cells, cell_lines
 from ..core.errors import DistCellError, DistUsageError
 from ..core.output import (
     StreamLabeler,
@@ -52,10 +52,11 @@ def run(
         labeler.max_lines = max_lines
     name = cell_name()
     files = OutputFiles(s.folder.file("output"), targets, name)
+    label = request_label(name, code)
     t0 = time.perf_counter()
     cell = s.engines.client.on_io_thread(  # listening before any output can arrive
         lambda _: Cell(
-            _execute(s.engines.view(targets), code, name), targets, labeler, printer, files
+            _execute(s.engines.view(targets), code, label), targets, labeler, printer, files
         )
     )
     ar = cell.ar
@@ -132,6 +133,18 @@ def cell_name() -> str:
     return f"In[{ip.execution_count - 1}]"
 
 
+def request_label(name: str, code: str) -> str:
+    """The label the ranks get: the cell's name and the editor line ``code`` starts on
+    (``In[5]:2`` for a %%dist cell's body), so their line numbers are the editor's."""
+    try:
+        from IPython import get_ipython
+
+        raw = get_ipython().kernel.get_parent("shell")["content"]["code"]
+    except Exception:  # no kernel (a script), or no request: the code's own lines
+        return name
+    return cell_lines.label(name, cell_lines.first_line(raw, code))
+
+
 def resolve_targets(s, ranks: str | list[int] | None, where: str | dict | None) -> list[int]:
     """The ranks a cell runs on: ``ranks`` (a spec), or those at the layout coordinates
     ``where`` (``"pp=0,tp=1"`` or ``{"pp": 0, "tp": 1}``)."""
@@ -164,7 +177,7 @@ def collect(cell: Cell, elapsed: float, watch: CellWatch) -> CellResult:
         reply = cell.futures[r].result()
         if isinstance(reply, BaseException):
             result.errors[r] = one_line(reply)
-            shown = r in watch.shown_live or watch.gone.get(r) == "released"
+            shown = r in watch.shown_live or r in cell.told_for or watch.gone.get(r) == "released"
             quiet = _engine_died(reply) or left_debugger(reply)  # EngineError: ipyparallel's
             if not quiet and not shown:
                 tracebacks[r] = remote_traceback(reply)

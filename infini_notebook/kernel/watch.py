@@ -296,7 +296,7 @@ class CellWatch:
         for r in sorted(due):
             reply = self.cell.futures[r].result()
             if not left_debugger(reply):  # its one line in the cell's error says it all
-                self.cell.note(r, f"{rank_label([r])}\n{remote_traceback(reply).rstrip()}\n")
+                self.cell.failure_note(r, remote_traceback(reply))
             self.shown_live.add(r)
             del self.unshown[r]
 
