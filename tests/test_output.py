@@ -13,6 +13,8 @@ import time
 import pytest
 from conftest import text_of, use_session
 
+from infini_notebook.core.ranks import rank_label
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -154,6 +156,58 @@ def test_output_of_a_thread_after_its_cell_shows_in_the_next_cell_marked_late(ke
         assert f"[rank {r}] next {r}" in out
         assert f"[rank {r}] (late) fd says" in err
     assert "(late)" not in text_of(kernel.run("%%dist\nprint('again', rank)"))  # shown once
+
+
+BUTTON = """%%dist
+import ipywidgets, threading
+button = ipywidgets.Button(description=f'r{rank}')
+def clicked(_):
+    print('clicked on', rank)
+    print('the same on every rank')
+    timer = threading.Timer(0.05, lambda: print('timer on', rank))  # a thread of its own
+    timer.start()
+    timer.join()
+button.on_click(clicked)
+display(button)"""
+
+
+def click(kernel, model_id: str) -> None:
+    """What JupyterLab sends when a Button is clicked: a comm message to the notebook's
+    kernel, which ipyparallel relays to the rank that owns the widget. The rank runs the
+    callback for that message, outside any cell."""
+    data = {"method": "custom", "content": {"event": "click"}}
+    kc = kernel.client.kc
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": model_id, "data": data}))
+
+
+def test_a_widget_callbacks_print_reaches_the_notebook_and_the_ranks_file(kernel, ranks):
+    """Issue 50: a print in a Button's on_click on a rank (and a timer it starts) appeared
+    nowhere. It comes at the start of the next cell, marked late, and is in the rank's
+    output file; a line every rank printed is one line."""
+    cell = kernel.run(BUTTON)
+    view = "application/vnd.jupyter.widget-view+json"
+    state = kernel.client.widget_state
+    buttons = {}
+    for output in (o for o in cell.outputs if view in o.get("data", {})):
+        label, button = state[output["data"][view]["model_id"]]["children"]
+        rank = int(re.search(r"rank (\d+)", state[label.removeprefix("IPY_MODEL_")]["value"])[1])
+        buttons[rank] = button.removeprefix("IPY_MODEL_")
+    assert sorted(buttons) == list(range(ranks))
+    for r in range(ranks):
+        click(kernel, buttons[r])
+    # the notebook's kernel relays each click before it runs the next cell
+    cell = kernel.run("%%dist\nprint('next', rank)")
+    out = stream_lines(cell, "stdout")
+    late = [
+        f"[rank {r}] (late) {what} on {r}" for r in range(ranks) for what in ("clicked", "timer")
+    ]
+    assert sorted(line for line in out if re.search(r"(clicked|timer) on", line)) == late, out
+    assert f"{rank_label(list(range(ranks)))} (late) the same on every rank" in out, out
+    files = text_of(kernel.run("print(dist_session.folder.file('output'))")).strip()
+    for r in range(ranks):
+        with open(os.path.join(files, f"rank{r}.stdout")) as f:
+            kept = f.read()
+        assert f"(late) clicked on {r}\n" in kept and f"(late) timer on {r}\n" in kept
 
 
 def test_ten_thousand_carriage_return_updates_end_in_one_exact_line(kernel, ranks):

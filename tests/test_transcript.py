@@ -130,3 +130,85 @@ def test_a_clear_drops_the_rank_s_unfinished_line_too():
     assert labeler.complete(0, "stdout", "partial-before-clear") == ""
     labeler.reset(0)
     assert labeler.complete(0, "stdout", "new\n") == "new\n"
+
+
+def test_collapse_keeps_a_warning_whole_and_in_order_when_one_rank_printed_more_first():
+    """Issue 50: --collapse split one warning into two rank groups and its two lines apart
+    (ranks whose outputs differ before it put it at different places)."""
+    t = Transcript([0, 1, 2])
+    t.add_text(0, "stdout", "only rank 0 says this\n")
+    for r in range(3):
+        t.add_text(r, "stdout", "before\n")
+        t.add_text(r, "stderr", WARNING)
+        t.add_text(r, "stdout", "after\n")
+    assert shown(t.render(collapse=True)) == [
+        ((0,), "stdout", "only rank 0 says this"),
+        ((1, 2), "stdout", "before"),
+        ((0,), "stdout", "before"),
+        ((0, 1, 2), "stderr", "In[7]:2: FutureWarning: old api"),
+        ((0, 1, 2), "stderr", "  warnings.warn('old api', FutureWarning)"),
+        ((0, 1, 2), "stdout", "after"),  # rank 0 waited at the warning: in step again
+    ]  # on every rank: before, the warning, after
+
+
+def test_identical_late_lines_and_cpp_warnings_merge_across_ranks_without_their_times():
+    """Issue 50: at 64 ranks, c10d's 'hostname ... cannot be retrieved' came as 64 late
+    lines, one per rank; each rank's time differs in torch's C++ warning prefix."""
+    t = Transcript(list(range(64)))
+    for r in range(64):
+        stamp = f"[W1106 10:23:{r % 60:02d}.{r:09d} socket.cpp:752]"
+        t.add_text(r, "stderr", f"(late) {stamp} [c10d] The hostname of the client socket\n")
+        t.add_text(r, "stdout", f"(late) thread done\nmine {r}\n")
+        t.add_text(r, "stderr", f"{stamp} [c10d] again\n")
+    for collapse in (False, True):
+        items = shown(t.render(collapse=collapse))
+        everyone = tuple(range(64))
+        assert items[0] == (
+            everyone,
+            "stderr",
+            "(late) [W1106 10:23:00.000000000 socket.cpp:752] [c10d] The hostname of the "
+            "client socket",  # rank 0's own line
+        )
+        assert items[1] == (everyone, "stdout", "(late) thread done")
+        mine = [i for i in items if i[2].startswith("mine")]
+        assert mine == [((r,), "stdout", f"mine {r}") for r in range(64)]
+        again = [i for i in items if i[2].endswith("again")]
+        assert len(again) == 1 and again[0][0] == everyone
+    t.add_text(5, "stdout", "(late) only here\n")
+    assert ((5,), "stdout", "(late) only here") in shown(t.render())
+
+
+ENTRIES = st.lists(
+    st.sampled_from(
+        [
+            ("stdout", "a\n"),
+            ("stdout", "b\n"),
+            ("stderr", WARNING),
+            ("stdout", "(late) x\n"),
+            ("stderr", "In[7]:5: UserWarning: other\n"),
+        ]  # fmt: skip
+    ),
+    max_size=6,
+)
+
+
+@given(st.lists(ENTRIES, min_size=1, max_size=4))
+def test_collapse_shows_every_rank_its_own_lines_once_each_in_its_own_order(outputs):
+    """Oracle: the items that name a rank, read in order, are exactly what it wrote."""
+    t = Transcript(list(range(len(outputs))))
+    for r, entries in enumerate(outputs):
+        for stream, text in entries:
+            t.add_text(r, stream, text)
+    items = t.render(collapse=True)
+    for r, entries in enumerate(outputs):
+        wrote = [(s, line) for s, text in entries for line in text.splitlines()]
+        assert [(i.kind, i.payload) for i in items if r in i.ranks] == wrote
+
+
+def test_tracebacks_shown_as_they_came_stand_for_the_identical_ones_that_came_later():
+    from infini_notebook.core.output import merge_told
+
+    tb = "Cell In[{}], line 5\nZeroDivisionError: division by zero"
+    told = {2: tb.format(7), 1: tb.format(7), 3: "ValueError: x"}
+    failed = {0: tb.format(5), 4: "KeyError: k"}  # rank 0 numbers its cells differently
+    assert merge_told(told, failed) == {1: (0, 1, 2), 3: (3,)}

@@ -6,8 +6,11 @@ A rank's ``clear_output`` empties its own part (with ``wait``, at its next outpu
 Jupyter does) and ``update_display`` replaces one of its displays, so a live plot on 4 ranks
 ends as 4 figures. Rendering merges what reads the same on several ranks:
 
-- always, an identical warning (the warning line and the source lines under it): every rank
-  names its cell the same way (engine/cell_names.py), so it is one block ``[ranks 0-3]``;
+- always, an identical warning (the warning line and the source lines under it, or a line
+  of torch's C++ warnings, ``[W1106 10:23:45.123456789 socket.cpp:752] ...``, compared
+  without its time) and an identical line written after its cell (``(late) ...``): every
+  rank names its cell the same way (engine/cell_names.py), so it is one block
+  ``[ranks 0-3]``, whole, at the first rank's place (with ``collapse`` too);
 - with ``collapse``, any identical line (or display) at the same place in each rank's output.
 
 Figures (PNG or SVG displays) from two or more ranks are shown together once the cell ends:
@@ -24,6 +27,9 @@ from typing import Any
 
 # A line Python's warnings module starts a warning with: "In[7]:2: FutureWarning: ..."
 WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+# The start of a warning of torch's C++ side (c10/util/Logging.cpp): severity, date, time
+C10_WARNING = re.compile(r"^\[W\d{3,4} \d\d:\d\d:\d\d\.\d+ ")
+LATE = "(late) "  # what a rank wrote after its cell, shown in the next (output_streams.py)
 TEXT_KINDS = ("stdout", "stderr")
 FIGURE_TYPES = ("image/png", "image/svg+xml")
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -69,6 +75,18 @@ class Transcript:
         self._before_output(rank)
         self._entries[rank].append(("note", text))
 
+    def replace_note(self, rank: int, old: str, new: str | None) -> None:
+        """The rank's note ``old`` becomes ``new`` (None: it goes)."""
+        entries = self._entries[rank]
+        for i, entry in enumerate(entries):
+            if entry == ("note", old):
+                if new is None:
+                    del entries[i]
+                else:
+                    entries[i] = ("note", new)
+                self._changed = True
+                return
+
     def add_rich(self, rank: int, output: dict) -> None:
         self._before_output(rank)
         self._entries[rank].append(("rich", output))
@@ -112,49 +130,95 @@ class Transcript:
         return _figures_together(items) if figures_together else items
 
     def _in_rank_order(self) -> list[Item]:
-        holders = self._warning_holders()
+        units = self._units()
+        holders = _holders(units)
         items: list[Item] = []
-        for rank in sorted(self._entries):
-            entries = self._entries[rank]
-            i = 0
-            while i < len(entries):
-                block = _warning_block(entries, i)
-                if block:
-                    ranks = holders[block]
-                    if rank == ranks[0]:
-                        items.extend(Item(ranks, "stderr", line) for line in block)
-                    i += len(block)
-                    continue
-                kind, payload = entries[i]
-                items.append(Item((rank,), kind, payload))
-                i += 1
+        for rank in sorted(units):
+            for kind, payload in units[rank]:
+                if kind != "block":
+                    items.append(Item((rank,), kind, payload))
+                elif holders[payload[0]][0] == rank:
+                    items.extend(_block_items(holders, *payload))
         return items
-
-    def _warning_holders(self) -> dict[tuple[str, ...], tuple[int, ...]]:
-        holders: dict[tuple[str, ...], list[int]] = {}
-        for rank in sorted(self._entries):
-            entries = self._entries[rank]
-            for i in range(len(entries)):
-                block = _warning_block(entries, i)
-                if block and rank not in holders.setdefault(block, []):
-                    holders[block].append(rank)
-        return {block: tuple(ranks) for block, ranks in holders.items()}
 
     def _collapsed(self) -> list[Item]:
+        """Step by step, each rank's next line (or display) merged with the same on other
+        ranks. A merged block (a warning, a late line) is shown once, whole, with every
+        rank that wrote it: a rank that reaches it first waits there for the others, so
+        that on every rank it follows what came before it and precedes what comes after."""
+        units = self._units()
+        owed = {key: set(ranks) for key, ranks in _holders(units).items()}  # not shown yet
+        at = dict.fromkeys(units, 0)  # rank -> its next unit
         items: list[Item] = []
-        longest = max((len(e) for e in self._entries.values()), default=0)
-        for place in range(longest):
-            groups: dict[tuple, list[int]] = {}
-            shown: dict[tuple, tuple[str, Any]] = {}
-            for rank in sorted(self._entries):
-                if place < len(self._entries[rank]):
-                    kind, payload = self._entries[rank][place]
-                    key = (kind, _key(payload))
-                    groups.setdefault(key, []).append(rank)
-                    shown.setdefault(key, (kind, payload))
-            for key, ranks in groups.items():  # ordered by their lowest rank
-                items.append(Item(tuple(ranks), *shown[key]))
-        return items
+        while True:
+            ahead = {r: units[r][i] for r, i in sorted(at.items()) if i < len(units[r])}
+            if not ahead:
+                return items
+            lines = {r: u for r, u in ahead.items() if u[0] != "block"}
+            waiting: dict[tuple, list[int]] = {}  # block key -> the ranks at it
+            for r, (kind, payload) in ahead.items():
+                if kind == "block":
+                    waiting.setdefault(payload[0], []).append(r)
+            ready = {key: ranks for key, ranks in waiting.items() if set(ranks) == owed[key]}
+            if not lines and not ready:  # ranks have blocks in different orders: the lowest
+                key = next(iter(waiting))  # rank's goes for the ranks at it, the rest later
+                ready[key] = waiting[key]
+            items += _merge_lines(lines)
+            moved = list(lines)
+            for key, ranks in ready.items():
+                items += [Item(tuple(ranks), key[0], line) for line in ahead[ranks[0]][1][1]]
+                owed[key] -= set(ranks)
+                moved += ranks
+            for r in moved:
+                at[r] += 1
+
+    def _units(self) -> dict[int, list[tuple[str, Any]]]:
+        """Each rank's entries, a merged block as one ``("block", (key, lines))``; the key
+        counts the block's repeats on the rank, so its second warning merges with the
+        other ranks' second, and none is lost."""
+        units: dict[int, list[tuple[str, Any]]] = {}
+        for rank, entries in self._entries.items():
+            mine, repeats, i = [], {}, 0
+            while i < len(entries):
+                block = _merged_block(entries, i)
+                if block is None:
+                    mine.append(entries[i])
+                    i += 1
+                    continue
+                key, lines = block
+                repeats[key] = repeats.get(key, 0) + 1
+                mine.append(("block", ((*key, repeats[key]), lines)))
+                i += len(lines)
+            units[rank] = mine
+        return units
+
+
+def _holders(units: dict[int, list[tuple[str, Any]]]) -> dict[tuple, tuple[int, ...]]:
+    """Each merged block's key -> the ranks that wrote it, lowest first."""
+    holders: dict[tuple, list[int]] = {}
+    for rank in sorted(units):
+        for kind, payload in units[rank]:
+            if kind == "block":
+                holders.setdefault(payload[0], []).append(rank)
+    return {key: tuple(ranks) for key, ranks in holders.items()}
+
+
+def _merge_lines(ahead: dict[int, tuple[str, Any]]) -> list[Item]:
+    """One step's lines (or displays) of several ranks, identical ones merged, ordered by
+    their lowest rank."""
+    groups: dict[tuple, list[int]] = {}
+    shown: dict[tuple, tuple[str, Any]] = {}
+    for rank in sorted(ahead):
+        kind, payload = ahead[rank]
+        key = (kind, _key(payload))
+        groups.setdefault(key, []).append(rank)
+        shown.setdefault(key, (kind, payload))
+    return [Item(tuple(ranks), *shown[key]) for key, ranks in groups.items()]
+
+
+def _block_items(holders: dict, key: tuple, lines: tuple) -> list[Item]:
+    """A merged block's lines, labeled with its ranks (the text is the lowest rank's)."""
+    return [Item(holders[key], key[0], line) for line in lines]
 
 
 def is_figure(output: dict) -> bool:
@@ -180,15 +244,30 @@ def _figures_together(items: list[Item]) -> list[Item]:
     return out
 
 
-def _warning_block(entries: list[tuple[str, Any]], i: int) -> tuple[str, ...] | None:
-    """The warning starting at ``entries[i]``: its line and the indented source lines."""
+def _merged_block(entries: list[tuple[str, Any]], i: int) -> tuple[tuple, tuple] | None:
+    """The block starting at ``entries[i]`` that is merged across ranks, as ``(key, lines)``:
+    a warning (its line and the indented source lines under it) or a line written after its
+    cell; None for any other entry."""
     kind, line = entries[i]
-    if kind != "stderr" or not WARNING_LINE.match(line):
+    if kind not in TEXT_KINDS:
+        return None
+    if line.startswith(LATE):
+        return (kind, C10_TIME.sub(r"\1", line)), (line,)
+    if kind != "stderr":
+        return None
+    if C10_WARNING.match(line):
+        return (kind, C10_TIME.sub(r"\1", line)), (line,)
+    if not WARNING_LINE.match(line):
         return None
     end = i + 1
     while end < len(entries) and entries[end][0] == "stderr" and entries[end][1][:1].isspace():
         end += 1
-    return tuple(text for _, text in entries[i:end])
+    lines = tuple(text for _, text in entries[i:end])
+    return (kind, *lines), lines
+
+
+# The time in a C++ warning's start, left out when ranks' warnings are compared
+C10_TIME = re.compile(r"^((?:\(late\) )?\[W\d{3,4}) \d\d:\d\d:\d\d\.\d+")
 
 
 def _display_id(output: dict) -> str | None:

@@ -8,6 +8,14 @@
 - From a thread, after its cell ended: kept and shown at the start of the next cell, each
   line marked ``LATE`` (the kernel no longer listens to a finished cell), also when a pull,
   push, bench or rebuild runs on the engine in between.
+- From a widget's callback (a Button's ``on_click``, a slider's ``observe``), and threads
+  and timers it starts: the frontend's comm message runs it outside any cell, and ipykernel
+  sent its text as the reply to that message, which the kernel's ipyparallel client files
+  under the message's id and nobody shows. It is kept as late text too.
+- To stdout, then stderr (a print, then a warning): ipykernel buffers each stream on its
+  own and sends each when its own timer fires, stdout first at a cell's end, so a warning
+  raised before a print arrived after it (and, ranks differing in timing, split a
+  --collapse merge). A write to one stream first sends what the other one holds.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ _state: dict = {}  # once per engine process: what is installed, the Pipes, libc
 class Pipe:
     """One of sys.stdout/sys.stderr (an ipykernel OutStream) and the fd it reads."""
 
-    def __init__(self, stream, cell: dict):
+    def __init__(self, stream, cell: dict, order: dict):
         self.stream, self.cell = stream, cell
+        self.order = order  # {"last": the Pipe written to last}, shared by both streams
         self.fd = stream._original_stdstream_fd  # 1 or 2, now the pipe's write end
         self.reader = stream.watch_fd_thread.ident
         self.pipe_fd = stream._fid  # the read end
@@ -64,9 +73,16 @@ class Pipe:
                 self.seen += len(text) - len(rest)
                 self.marks.notify_all()
             return len(text)
-        if me != self.cell.get("thread") and self._for_ended_cell(me):
+        if _callback(self.stream.parent_header) or (
+            me != self.cell.get("thread") and self._for_ended_cell(me)
+        ):
             self._keep_late(text)
             return len(text)
+        last = self.order.get("last")
+        if last is not self:
+            self.order["last"] = self
+            if last is not None:  # written before this: sent first (cheap when empty,
+                last.stream.flush()  # engine/tuning.py)
         self.forwarded += len(text)
         return self.write(text)
 
@@ -124,6 +140,11 @@ class Pipe:
         self.write(text)
 
 
+def _callback(header: dict) -> bool:
+    """Text written for a comm message (a widget's callback), not for a request."""
+    return str(header.get("msg_type", "")).startswith("comm_")
+
+
 def install(shell) -> list[str]:
     """Hook the shell's cells; returns what is in place (``"fd sync"``, ``"late output"``)."""
     if "installed" in _state:
@@ -133,7 +154,8 @@ def install(shell) -> list[str]:
         _state["installed"] = []
         return []
     cell: dict = {}
-    pipes = [Pipe(s, cell) for s in streams]
+    order: dict = {}
+    pipes = [Pipe(s, cell, order) for s in streams]
     libc = _libc()
     hooks = {
         "pre_execute": lambda: _cell_started(cell, pipes),
