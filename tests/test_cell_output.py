@@ -66,6 +66,39 @@ def test_a_warning_raised_on_every_rank_is_shown_once_named_by_the_notebook_cell
     assert "[ranks 0-3]   warnings.warn('old api', FutureWarning)" in err, err
 
 
+WARNED_BETWEEN = """%%dist{}
+import warnings
+print('before', rank)
+warnings.warn('in between')
+print('after', rank)"""
+
+
+def shown_lines(cell) -> list[tuple[str, str]]:
+    """Every line the cell shows, with its stream, in the order shown."""
+    return [(o.name, line) for o in outputs(cell, "stream") for line in o.text.splitlines()]
+
+
+def test_a_warning_keeps_its_place_between_two_prints_and_stays_whole(ranks4):
+    """Issue 50: the warning came after rank 0's second print (stdout is sent first at a
+    cell's end), and --collapse split it into two rank groups with its lines apart."""
+    for flags in ("", " --collapse"):
+        cell = ranks4.run(WARNED_BETWEEN.format(flags))
+        n = cell.execution_count
+        warning = [
+            ("stderr", f"[ranks 0-3] In[{n}]:4: UserWarning: in between"),
+            ("stderr", "[ranks 0-3]   warnings.warn('in between')"),
+        ]
+        if flags:  # line by line, a merged block where it comes on every rank
+            want = [("stdout", f"[rank {r}] before {r}") for r in range(4)] + warning
+            want += [("stdout", f"[rank {r}] after {r}") for r in range(4)]
+        else:  # rank by rank, the merged warning at rank 0's place
+            want = [("stdout", "[rank 0] before 0"), *warning, ("stdout", "[rank 0] after 0")]
+            want += [
+                ("stdout", f"[rank {r}] {w} {r}") for r in range(1, 4) for w in ("before", "after")
+            ]
+        assert shown_lines(cell) == want, (flags, cell.outputs)
+
+
 def test_a_traceback_names_the_notebook_cell_on_every_rank(ranks4):
     ranks4.run("%%dist --ranks 0\nx = 1")  # rank 0 has now run a cell the others have not
     cell = ranks4.run("%%dist\n1 / 0", allow_error=True)
