@@ -5,6 +5,7 @@ ipyparallel/ipykernel parts this depends on. Each table row of the issue at 2 an
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import threading
@@ -12,6 +13,7 @@ import time
 
 import pytest
 from conftest import text_of, use_session
+from jupyter_core.utils import run_sync
 
 from infini_notebook.core.ranks import rank_label
 
@@ -154,7 +156,7 @@ def test_output_of_a_thread_after_its_cell_shows_in_the_next_cell_marked_late(ke
     for r in range(ranks):
         assert f"[rank {r}] (late) thread says {r}" in out
         assert f"[rank {r}] next {r}" in out
-        assert f"[rank {r}] (late) fd says" in err
+    assert f"{rank_label(list(range(ranks)))} (late) fd says" in err  # the same: one line
     assert "(late)" not in text_of(kernel.run("%%dist\nprint('again', rank)"))  # shown once
 
 
@@ -180,34 +182,75 @@ def click(kernel, model_id: str) -> None:
     kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": model_id, "data": data}))
 
 
-def test_a_widget_callbacks_print_reaches_the_notebook_and_the_ranks_file(kernel, ranks):
+def widget_states(kernel, done, timeout: float = 60) -> dict:
+    """The widgets' states as a frontend sees them (comm messages on iopub) once ``done``
+    says so of them: between cells nbclient reads no message, so they are read here."""
+    kc, states = kernel.client.kc, {}
+    deadline = time.monotonic() + timeout
+    while not done(states):
+        assert time.monotonic() < deadline, states
+        try:
+            msg = run_sync(kc.iopub_channel.get_msg)(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["msg_type"] in ("comm_open", "comm_msg"):
+            data = msg["content"].get("data") or {}
+            states.setdefault(msg["content"]["comm_id"], {}).update(data.get("state") or {})
+    return states
+
+
+def test_a_widget_callbacks_print_shows_under_it_at_once_and_is_in_the_ranks_file(kernel, ranks):
     """Issue 50: a print in a Button's on_click on a rank (and a timer it starts) appeared
-    nowhere. It comes at the start of the next cell, marked late, and is in the rank's
-    output file; a line every rank printed is one line."""
+    nowhere. It shows at once beside the rank's button, in the cell that showed it, and is
+    in the rank's output file; the next cell does not show it again."""
     cell = kernel.run(BUTTON)
     view = "application/vnd.jupyter.widget-view+json"
     state = kernel.client.widget_state
-    buttons = {}
+    buttons, boxes = {}, {}
     for output in (o for o in cell.outputs if view in o.get("data", {})):
-        label, button = state[output["data"][view]["model_id"]]["children"]
+        box = output["data"][view]["model_id"]
+        label, button = state[box]["children"]
         rank = int(re.search(r"rank (\d+)", state[label.removeprefix("IPY_MODEL_")]["value"])[1])
-        buttons[rank] = button.removeprefix("IPY_MODEL_")
+        buttons[rank], boxes[rank] = button.removeprefix("IPY_MODEL_"), box
     assert sorted(buttons) == list(range(ranks))
     for r in range(ranks):
         click(kernel, buttons[r])
-    # the notebook's kernel relays each click before it runs the next cell
-    cell = kernel.run("%%dist\nprint('next', rank)")
-    out = stream_lines(cell, "stdout")
-    late = [
-        f"[rank {r}] (late) {what} on {r}" for r in range(ranks) for what in ("clicked", "timer")
-    ]
-    assert sorted(line for line in out if re.search(r"(clicked|timer) on", line)) == late, out
-    assert f"{rank_label(list(range(ranks)))} (late) the same on every rank" in out, out
+    want = {r: f"clicked on {r}\nthe same on every rank\ntimer on {r}\n" for r in range(ranks)}
+
+    def shown(states) -> dict[int, str]:
+        """Each rank's text in the Output its box holds after its button."""
+        texts = {}
+        for r, box in boxes.items():
+            children = states.get(box, {}).get("children", [])[2:]
+            for child in children:
+                parts = states.get(child.removeprefix("IPY_MODEL_"), {}).get("outputs", [])
+                texts[r] = "".join(p["text"] for p in parts if p["name"] == "stdout")
+        return texts
+
+    assert shown(widget_states(kernel, lambda states: shown(states) == want)) == want
+    cell = kernel.run("%%dist\nprint('next', rank)")  # the frontend saw it: not again
+    assert stream_lines(cell, "stdout") == [f"[rank {r}] next {r}" for r in range(ranks)]
     files = text_of(kernel.run("print(dist_session.folder.file('output'))")).strip()
     for r in range(ranks):
         with open(os.path.join(files, f"rank{r}.stdout")) as f:
             kept = f.read()
-        assert f"(late) clicked on {r}\n" in kept and f"(late) timer on {r}\n" in kept
+        for line in want[r].splitlines():
+            assert f"(late, shown under its widget) {line}\n" in kept, kept
+
+
+def test_a_threads_print_between_cells_every_rank_the_same_is_one_late_line(kernel, ranks):
+    """Issue 50: identical late lines (c10d's at 64 ranks) came one per rank."""
+    kernel.run(
+        "%%dist\nimport threading\nticked = []\n"
+        "threading.Timer(0.2, lambda: (print('tick'), ticked.append(1))).start()"
+    )
+    kernel.run(  # until every rank's timer printed: after its cell, before the next
+        "import time\nwhile not all(dist_session.pull('ticked').values()):\n    time.sleep(0.05)"
+    )
+    cell = kernel.run("%%dist\nprint('next', rank)")
+    assert stream_lines(cell, "stdout") == [f"{rank_label(list(range(ranks)))} (late) tick"] + [
+        f"[rank {r}] next {r}" for r in range(ranks)
+    ]
 
 
 def test_ten_thousand_carriage_return_updates_end_in_one_exact_line(kernel, ranks):

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from .ranks import rank_label
 
 DEFAULT_MAX_LINES = 2000
+# What a rank wrote outside its cell is shown at the start of its next cell, each line marked
+# (engine/output_streams.py); text a widget's callback wrote and the rank showed under that
+# widget at once is marked apart: the kernel keeps it in the rank's file, and shows it no more.
+LATE = "(late) "
+LATE_SHOWN = "(late, shown under its widget) "
 
 
 @dataclass

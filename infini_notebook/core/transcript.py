@@ -25,11 +25,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .output import LATE
+
 # A line Python's warnings module starts a warning with: "In[7]:2: FutureWarning: ..."
 WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
 # The start of a warning of torch's C++ side (c10/util/Logging.cpp): severity, date, time
 C10_WARNING = re.compile(r"^\[W\d{3,4} \d\d:\d\d:\d\d\.\d+ ")
-LATE = "(late) "  # what a rank wrote after its cell, shown in the next (output_streams.py)
 TEXT_KINDS = ("stdout", "stderr")
 FIGURE_TYPES = ("image/png", "image/svg+xml")
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"

@@ -11,7 +11,9 @@
 - From a widget's callback (a Button's ``on_click``, a slider's ``observe``), and threads
   and timers it starts: the frontend's comm message runs it outside any cell, and ipykernel
   sent its text as the reply to that message, which the kernel's ipyparallel client files
-  under the message's id and nobody shows. It is kept as late text too.
+  under the message's id and nobody shows. It is shown at once under the widget, in the
+  cell that showed it (engine/widget_labels.py), and kept as late text for the rank's file
+  (marked ``LATE_SHOWN``: not shown again); late text as the rest where no widget shows it.
 - To stdout, then stderr (a print, then a warning): ipykernel buffers each stream on its
   own and sends each when its own timer fires, stdout first at a cell's end, so a warning
   raised before a print arrived after it (and, ranks differing in timing, split a
@@ -31,11 +33,11 @@ import threading
 import time
 
 from ..core import internals
-from ..core.output import settle
+from ..core.output import LATE, LATE_SHOWN, settle
+from . import widget_labels
 
 SYNC_WAIT_S = 0.1
 MARK = "\x00"  # one byte, so a pipe read cannot split it; NUL never shows in a notebook
-LATE = "(late) "
 LATE_MAX_CHARS = 100_000  # per stream, between two cells
 _READ_NR = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())  # read(2)'s number
 _STREAM_PARTS = ("_fid", "_should_watch", "_setup_stream_redirects", "parent_header", "write")
@@ -57,7 +59,7 @@ class Pipe:
         self.marks = threading.Condition()  # markers sent and seen: a late one from an
         self.sent = self.seen = 0  # earlier cell that timed out cannot end this cell's wait
         self._late_lock = threading.Lock()  # threads add, the cell's thread takes
-        self.late: list[str] = []
+        self.late: dict[str, list[str]] = {LATE: [], LATE_SHOWN: []}  # by the lines' mark
         self.late_chars = self.dropped = 0
         self.forwarded = 0  # characters handed to ipykernel for the running cell
         stream.write = self.route
@@ -73,9 +75,12 @@ class Pipe:
                 self.seen += len(text) - len(rest)
                 self.marks.notify_all()
             return len(text)
-        if _callback(self.stream.parent_header) or (
-            me != self.cell.get("thread") and self._for_ended_cell(me)
-        ):
+        header = self.stream.parent_header
+        if _callback(header):
+            shown = widget_labels.show_callback_text(self.stream.name, text, header)
+            self._keep_late(text, LATE_SHOWN if shown else LATE)
+            return len(text)
+        if me != self.cell.get("thread") and self._for_ended_cell(me):
             self._keep_late(text)
             return len(text)
         last = self.order.get("last")
@@ -116,28 +121,33 @@ class Pipe:
             return me != threading.main_thread().ident
         return header.get("msg_id") != running
 
-    def _keep_late(self, text: str) -> None:
+    def _keep_late(self, text: str, mark: str = LATE) -> None:
         with self._late_lock:
             room = max(LATE_MAX_CHARS - self.late_chars, 0)
             if len(text) > room:
                 self.dropped += len(text) - room
                 text = text[:room]
-            self.late.append(text)
+            self.late[mark].append(text)
             self.late_chars += len(text)
 
     def show_late(self) -> None:
         """Text kept since the last cell, into this one (called on the cell's thread)."""
         with self._late_lock:
-            late, dropped = "".join(self.late), self.dropped
-            self.late, self.late_chars, self.dropped = [], 0, 0
-        if not late and not dropped:
-            return
-        text = settle(late).rstrip("\n")
+            late, dropped = {m: "".join(t) for m, t in self.late.items()}, self.dropped
+            self.late = {mark: [] for mark in self.late}
+            self.late_chars, self.dropped = 0, 0
         if dropped:
-            text += f"\n... {dropped} more characters written after the cell ended"
-        text = "".join(f"{LATE}{line}\n" for line in text.split("\n"))
-        self.forwarded += len(text)
-        self.write(text)
+            late[LATE] += f"\n... {dropped} more characters written after the cell ended"
+        text = "".join(_marked(mark, text) for mark, text in late.items())
+        if text:
+            self.forwarded += len(text)
+            self.write(text)
+
+
+def _marked(mark: str, text: str) -> str:
+    """Every line of ``text`` (carriage returns applied) after ``mark``."""
+    text = settle(text).rstrip("\n")
+    return "".join(f"{mark}{line}\n" for line in text.split("\n")) if text else ""
 
 
 def _callback(header: dict) -> bool:

@@ -10,7 +10,7 @@ import threading
 import time
 
 from ..core import internals
-from ..core.output import StreamLabeler, merge_told, remote_traceback
+from ..core.output import LATE_SHOWN, StreamLabeler, merge_told, remote_traceback
 from ..core.ranks import rank_label
 from ..core.transcript import Item, Transcript
 from .output_files import OutputFiles
@@ -238,6 +238,8 @@ class Cell:
         return items
 
     def _lines(self, rank: int, stream: str, text: str) -> list[Item]:
+        if LATE_SHOWN in text:  # shown under its widget already: in the rank's file only
+            text = "".join(t for t in text.splitlines(True) if not t.startswith(LATE_SHOWN))
         if not text:
             return []
         self.transcript.add_text(rank, stream, text)

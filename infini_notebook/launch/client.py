@@ -378,6 +378,12 @@ class Client:
             if done:  # an empty list is refused by ipyparallel
                 client.purge_local_results(jobs=list(done))
             client.history = [m for m in client.history if m not in done]
+            # A widget's callback on a rank runs for a comm message the notebook relayed
+            # (ipyparallel's relay_comm); the widget updates it sends back are filed under
+            # that message's id, which is no request of ours: a record per click, dropped.
+            ours = set(client.history) | set(self._unpurged) | {"submitted"}
+            for stray in [m for m in list(client.metadata) if m not in ours]:
+                client.metadata.pop(stray, None)
             if self._purge_queued or self._loop is None:
                 return
             self._purge_queued = True
