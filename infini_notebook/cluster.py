@@ -273,20 +273,30 @@ class Session:
 
     # ----- recovery -----------------------------------------------------------------------
     def restart(
-        self, hard: bool = False, progress: Progress | None = None, after_failure: bool = False
+        self,
+        hard: bool = False,
+        progress: Progress | None = None,
+        after_failure: bool = False,
+        ranks: str | list[int] | None = None,
     ) -> None:
         """Soft: new process groups under a fresh store prefix on the same engines, keeping
-        every variable. Hard: new engines (variables are lost). A soft restart that cannot
-        work (a rank is dead, or stuck in native code) says so and names --hard; one that
-        failed half way leaves the groups marked not whole. ``after_failure``: the automatic
-        rebuild after a failed cell (the status then says so)."""
+        every variable. ``ranks``: new engines for those ranks only (dead, or stuck), the
+        others keeping theirs and their variables, every rank's groups made anew. Hard: new
+        engines for every rank (variables are lost). A soft restart that cannot work (a
+        rank is dead, or stuck in native code) says so and names --ranks and --hard; one
+        that failed half way leaves the groups marked not whole. ``after_failure``: the
+        automatic rebuild after a failed cell (the status then says so)."""
         if self.engines.client.cluster is None:
             raise DistUsageError("No session to restart. Start one with %dist_start.")
         self.keeper.require_held()  # a kept session another kernel drives now: not ours
         # A hard restart may end a background cell that was told to stop and did not.
         self.background.refuse("%dist_restart", unless_interrupted=hard)
+        replace = parse_ranks(ranks, self.world_size) if ranks is not None else None
         self.rendezvous.next_attempt()
-        if hard:  # the session stops if the new engines cannot come up (see recovery.py)
+        if replace:
+            self.require_running()
+            recovery.replace_ranks(self, replace, progress)
+        elif hard:  # the session stops if the new engines cannot come up (see recovery.py)
             recovery.hard_restart(self, progress)
             self.running = True
             self.engines.plan_standby(self.book.idle_for)
@@ -481,7 +491,8 @@ class Session:
 
     def session_line(self, states: list[RankState] | None = None) -> str:
         """The session in a line: 'ready', 'rebuilt after a failure on rank 1, variables
-        kept', 'needs %dist_restart --hard: rank 2 died' (from ``states``, a status())."""
+        kept', 'needs %dist_restart --ranks 2 (or --hard): rank 2 died' (from ``states``, a
+        status())."""
         if not self.running:
             return self.keeper.gone or "stopped"
         states = self.status() if states is None else states

@@ -18,6 +18,7 @@ from .core.automode import AUTO_MARKER
 from .core.errors import DistUsageError
 from .core.options import StartOptions, flag_specs
 from .core.output import RankValues, main_thread_stack
+from .core.ranks import parse_ranks, rank_label
 from .kernel.printers import TextPrinter
 from .viz.status_render import ready_text
 
@@ -163,24 +164,38 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("--hard", action="store_true", help="restart the engines (variables are lost)")
+    @argument(
+        "--ranks",
+        "-r",
+        default=None,
+        help="replace only these ranks' engines (e.g. 2 or 1,3); the others keep theirs",
+    )
     @line_magic
     def dist_restart(self, line: str):
         """Rebuild the process groups under a fresh store prefix, keeping variables.
 
-        Use after a failed or timed-out collective. --hard restarts the engines themselves,
-        for a dead rank or one stuck in native code. The ranks become the spare engines the
-        session forked while idle (%dist_status counts them), so it only has to set them
-        up; the session forks new spares once it is idle again.
+        Use after a failed or timed-out collective. --ranks 2 starts a new engine for rank
+        2 only (a rank that died, or one stuck in native code): every other rank keeps its
+        process and variables, and every rank's process groups, `groups` and `mesh` are made
+        anew; %dist_heal gives the new rank what its replicas hold. --hard restarts every
+        engine (variables are lost). The ranks become the spare engines the session forked
+        while idle (%dist_status counts them), so it only has to set them up; the session
+        forks new spares once it is idle again.
         """
         args = parse_argstring(self.dist_restart, line)
         from . import viz
 
+        if args.hard and args.ranks is not None:
+            raise DistUsageError("%dist_restart: --hard restarts every rank; --ranks only some.")
         session = _session()
         t0 = time.perf_counter()
-        session.restart(
-            hard=args.hard, progress=viz.Progress("%dist_restart") if args.hard else None
-        )
-        how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
+        progress = viz.Progress("%dist_restart") if args.hard or args.ranks else None
+        session.restart(hard=args.hard, progress=progress, ranks=args.ranks)
+        if args.ranks is not None:
+            how = f"{rank_label(parse_ranks(args.ranks, session.world_size))[1:-1]} replaced, "
+            how += "the others kept their variables; process groups made anew"
+        else:
+            how = "engines restarted" if args.hard else "process groups rebuilt, variables kept"
         print(f"Restarted ({how}) in {time.perf_counter() - t0:.2f}s.")
 
     @magic_arguments()
@@ -201,8 +216,6 @@ class DistMagics(Magics):
         failed, released, died, stuck) with a note, under the session's line (ready, rebuilt
         after a failure, or what it needs); they update while cells run. Terminals get the
         same as a text table."""
-        from IPython.display import display
-
         from . import viz
         from .launch import prewarm
 
@@ -212,7 +225,7 @@ class DistMagics(Magics):
                 or "No session is running. Start one with %dist_start --nprocs 4."
                 + prewarm.status_note()
             )
-        display(viz.status_widget(_session()))
+        viz.status_widget(_session()).show()  # frozen, it keeps its last text
 
     @magic_arguments()
     @argument("name", help="variable to bring back from the ranks")

@@ -124,7 +124,7 @@ def test_groups_not_whole_name_the_fix_until_a_restart_and_death_comes_first():
     book.groups_broken("a collective timed out", "%dist_restart")
     assert book.broken() == ("a collective timed out", "%dist_restart")
     assert book.session_line() == "needs %dist_restart: a collective timed out"
-    assert book.session_line(died=[2]) == "needs %dist_restart --hard: rank 2 died"
+    assert book.session_line(died=[2]) == "needs %dist_restart --ranks 2 (or --hard): rank 2 died"
     book.restarted(hard=False)
     assert book.broken() is None and book.session_line() == "ready"
     assert "stuck" in book.session_line(stuck=[1])

@@ -31,6 +31,7 @@ class RankBook:
         self._stuck: set[int] = set()
         self._broken: tuple[str, str] | None = None  # (why the groups are not whole, the fix)
         self._rebuilt = ""  # the session line after a rebuild that worked
+        self._replaced: dict[int, float] = {}  # rank -> when its engine was replaced (time.time)
 
     # ----- the rows ------------------------------------------------------------------------
     def record(self, rows: list[RankState]) -> None:
@@ -124,14 +125,25 @@ class RankBook:
             if hard:
                 self._stuck = set()
 
+    def replaced(self, ranks: Iterable[int], now: float | None = None) -> None:
+        """New engines for ``ranks`` and new process groups on every rank (the others kept
+        their variables): no rank is failed any more; the tiles say "replaced 12 s ago"."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._failed, self._released, self._notes = {}, {}, {}
+            self._broken, self._rebuilt = None, ""
+            self._stuck -= set(ranks)
+            self._replaced.update(dict.fromkeys(ranks, now))
+
     def session_line(self, died: Iterable[int] = (), stuck: Iterable[int] = ()) -> str:
         """The session's state in a line: 'ready', 'rebuilt after a failure on rank 1,
-        variables kept', or 'needs %dist_restart --hard: rank 2 died'."""
+        variables kept', or 'needs %dist_restart --ranks 2 (or --hard): rank 2 died'."""
         died, stuck = sorted(died), sorted(stuck)
         with self._lock:
             broken, rebuilt = self._broken, self._rebuilt
         if died:
-            return f"needs %dist_restart --hard: {rank_label(died)[1:-1]} died"
+            flag = ",".join(map(str, died))
+            return f"needs %dist_restart --ranks {flag} (or --hard): {rank_label(died)[1:-1]} died"
         if broken:
             return f"needs {broken[1]}: {broken[0]}"
         if stuck:
@@ -177,10 +189,14 @@ class RankBook:
         with self._lock:
             busy, rows, prompting = set(self._busy), list(self._rows), set(self._prompting)
             failed, released, notes = dict(self._failed), dict(self._released), dict(self._notes)
+            replaced = dict(self._replaced)
+        now = time.time()
         for rs in rows:
             for name, value in telemetry.get(rs.rank, {}).items():
                 setattr(rs, name, value)
             rs.note = notes.get(rs.rank, "")
+            if not rs.note and rs.rank in replaced:
+                rs.note = f"replaced {ago(now - replaced[rs.rank])}"
             if not session_running:
                 rs.state = "stopped"
             elif not alive(rs.rank):
@@ -200,3 +216,12 @@ class RankBook:
             else:
                 rs.state = "idle"
         return [dataclasses.replace(rs) for rs in rows]
+
+
+def ago(seconds: float) -> str:
+    """'12 s ago', '3 min ago', '2 h ago'."""
+    if seconds < 90:
+        return f"{max(0, round(seconds))} s ago"
+    if seconds < 90 * 60:
+        return f"{round(seconds / 60)} min ago"
+    return f"{round(seconds / 3600)} h ago"

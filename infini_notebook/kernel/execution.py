@@ -223,8 +223,10 @@ def cell_error(s, result: CellResult, targets: list[int], watch: CellWatch) -> D
             f"{'stays' if len(stuck) == 1 else 'stay'} busy until the "
             f"{s.plan.timeout:.0f} s collective timeout"
         )
-    if died or stuck:
+    if stuck:
         advice = f". {recovery.HARD_RESTART}"
+    elif died:
+        advice = f". {recovery.replace_advice(died)}"
     elif watch.released:
         advice = ". " + recovery.rebuild_after_release(s)
     else:

@@ -28,7 +28,7 @@ def soft_restart(s, after_failure: bool = False) -> None:
     dead = supervision.dead_ranks(s, range(s.world_size))
     if dead:
         raise DistUsageError(
-            f"Cannot restart softly: {supervision.dead_text(dead)}. Use %dist_restart --hard."
+            f"Cannot restart softly: {supervision.dead_text(dead)}. {replace_advice(dead)}"
         )
     stuck = supervision.stuck_ranks(s, settle=STUCK_SETTLE_S)
     left, covered = left_output.still_running(s, stuck)  # an earlier kernel's cell
@@ -55,6 +55,64 @@ def soft_restart(s, after_failure: bool = False) -> None:
         s.book.groups_rebuilt()
     else:
         s.book.restarted(hard=False)
+
+
+def replace_ranks(s, ranks: list[int], progress=None) -> None:
+    """New engines for ``ranks`` only (dead, or alive and ended first); every other rank
+    keeps its process and variables. Then every rank's process groups are made anew under
+    the next attempt (Session.restart moved to it): the survivors as a soft restart does,
+    the new ranks by their bootstrap, joining the same rendezvous. A step that fails says
+    which, and leaves the groups marked not whole (``--hard`` brings all back)."""
+    others = set(range(s.world_size)) - set(ranks)
+    dead = {r: why for r, why in supervision.dead_ranks(s, sorted(others)).items()}
+    if dead:
+        also = ",".join(map(str, sorted(set(ranks) | set(dead))))
+        raise DistUsageError(
+            f"Cannot replace {rank_label(sorted(ranks))[1:-1]} alone: "
+            f"{supervision.dead_text(dead)} too. Run %dist_restart --ranks {also}."
+        )
+    stuck = [r for r in supervision.stuck_ranks(s, settle=STUCK_SETTLE_S) if r in others]
+    if stuck:
+        raise DistUsageError(
+            f"Cannot replace {rank_label(sorted(ranks))[1:-1]}: {rank_label(stuck)[1:-1]} "
+            "still running earlier code (see %dist_stacks); wait, interrupt it, or run "
+            "%dist_restart --hard."
+        )
+    step = "starting the new engines"
+    try:
+        s.engines.replace(sorted(ranks), progress)
+        step = "making the process groups anew on every rank"
+        attempt, nonce = s.rendezvous.attempt, s.rendezvous.nonce
+        with s.engines.client.lock:
+            pending = {
+                r: s.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
+                for r in sorted(others)
+            }
+            for r in ranks:
+                cfg = startup.engine_config(s.plan, s.rendezvous, s.folder, r)
+                pending[r] = s.engines.view(r).apply_async(bootstrap.bootstrap, cfg)
+        infos = s.engines.client.gather(pending, what="replace", timeout=s.plan.timeout + 60)
+    except (DistCellError, DistUsageError) as e:
+        why = e.summary if isinstance(e, DistCellError) else str(e)
+        s.book.groups_broken(f"replacing {rank_label(sorted(ranks))[1:-1]} failed", HARD_FIX)
+        raise DistCellError(
+            f"Replacing {rank_label(sorted(ranks))[1:-1]} failed while {step}: {why}. "
+            f"{HARD_RESTART}",
+            getattr(e, "report", ""),
+            getattr(e, "ranks", []),
+        ) from None
+    s.book.record(startup.rank_table(s.plan, s.engines, dict(sorted(infos.items()))))
+    s.book.replaced(ranks)
+
+
+def replace_advice(dead: dict[int, str]) -> str:
+    """What to run after ranks died: replace them alone, or restart every rank."""
+    ranks = ",".join(map(str, sorted(dead)))
+    which = rank_label(sorted(dead))[1:-1]
+    return (
+        f"%dist_restart --ranks {ranks} starts a new {which}; the others keep their variables "
+        f"(%dist_restart --hard restarts all)."
+    )
 
 
 def hard_restart(s, progress=None) -> None:

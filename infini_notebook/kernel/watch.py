@@ -5,8 +5,9 @@ can never finish released (their group holds a rank that left: ``release.py`` en
 a long wait with no rank gone shown in place with where each rank waits, released ranks
 still stuck given up with their stacks, the Stop button (the ranks that stop leave as ranks
 that raised, so the ones waiting for them are released and the groups rebuilt), and the
-output that trails the replies. It asks ``supervision.py`` (liveness, waits, stacks, signals), which never calls
-back; ``execution.py`` sends the cell before and reads the result after. The pure part
+output that trails the replies. It asks ``supervision.py`` (liveness, waits, stacks,
+signals), which never calls back; ``execution.py`` sends the cell before and reads the
+result after. The pure part
 (who waits for whom, the sentences) is ``core/waits.py``.
 """
 

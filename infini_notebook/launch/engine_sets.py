@@ -37,6 +37,7 @@ class Engines:
         self._eids: list[int] = []  # engine id of each rank
         self._pids: dict[int, psutil.Process] = {}  # ranks whose engine is ours, on this host
         self._set_id = ""  # the ranks' engine set (ipyparallel's), stopped by a hard restart
+        self._replacements: list[str] = []  # sets of engines that replaced single ranks
         self.how = ""  # how the last engines came up (see launch_note), for the ready line
         self._standby: spares.Standby | None = None  # engines forked for the next hard restart
 
@@ -101,7 +102,13 @@ class Engines:
 
         proc = self.template.process
         template = [proc.pid, proc.create_time()] if self.template.alive() else None
-        body = {"eids": self._eids, "set_id": self._set_id, "how": self.how, "template": template}
+        body = {
+            "eids": self._eids,
+            "set_id": self._set_id,
+            "replacements": self._replacements,
+            "how": self.how,
+            "template": template,
+        }
         write_private(self.folder.file(RANKS), json.dumps(body).encode())
 
     def attach(self, mapped: dict, pids: dict[int, int]) -> None:
@@ -109,14 +116,43 @@ class Engines:
         keep.Kept.ranks()); ``pids``: each live rank's engine pid. Spare engines that
         kernel forked are ended (this one forks its own once idle)."""
         self._eids, self._set_id, self.how = list(mapped["eids"]), mapped["set_id"], mapped["how"]
+        self._replacements = list(mapped.get("replacements", []))
         for r, pid in pids.items():
             self.adopt(r, pid)
         self._hand_over_controller()
         cluster = self.client.cluster
-        spare = [s for s in (cluster.engines if cluster else {}) if s != self._set_id]
+        ranks_sets = {self._set_id, *self._replacements}
+        spare = [s for s in (cluster.engines if cluster else {}) if s not in ranks_sets]
         # ended and forgotten: an ended set left in the cluster made the next hard
         # restart's wait for its engines fail ("engine ... exited while starting")
         self.stop_engine_sets(spare, local=True)
+
+    def replace(self, ranks: list[int], progress: Progress | None) -> None:
+        """New engines for ``ranks`` (their old ones gone or ended first), on their hosts,
+        forked by the warm template where there is one; every other rank's engine stays.
+        Bootstrapping them is the caller's (kernel/recovery.replace_ranks)."""
+        from . import launchers
+
+        options = launchers.replacement_options(self.plan, self.folder.profile_dir, ranks)
+        old = [p for r in ranks if (p := self._pids.pop(r, None)) is not None]
+        kill(old)  # a rank replaced while alive (hung, its GPU context lost)
+        wait_gone(old, 5)
+        if not self.plan.template_off and self.template.alive():
+            options["template_socket"] = self.template.ready(
+                self.folder.profile_dir, progress, len(ranks)
+            )
+        known = self.client.ids()
+        cluster = self.client.cluster
+        set_id = self.client.in_loop(cluster.start_engines(len(ranks), **options))
+        self._replacements.append(set_id)
+        eids = self.wait_for_engines(progress, known, set_id, count=len(ranks))
+        ar = self.client.view(eids).apply_async(bootstrap.identity)
+        identities = ar.get_dict(timeout=60)
+        self.client.forget(ar.msg_ids)
+        for r, eid in launchers.assign_replacements(identities, self.plan, ranks).items():
+            self._eids[r] = eid
+            self.adopt(r, identities[eid]["pid"])
+        self._write_map()
 
     def _launch(self, progress: Progress | None) -> list[int]:
         """One new engine per rank; their ids once all registered."""
@@ -170,13 +206,18 @@ class Engines:
         return f"engines started as new processes ({'; '.join(reasons)})"
 
     def wait_for_engines(
-        self, progress: Progress | None, known: set[int], set_id: str, timeout: float = 120
+        self,
+        progress: Progress | None,
+        known: set[int],
+        set_id: str,
+        timeout: float = 120,
+        count: int | None = None,
     ) -> list[int]:
-        """The ids of the world_size engines that registered after ``known`` were there;
+        """The ids of the ``count`` (world_size) engines that registered after ``known``;
         EnginesExited when the engine set ``set_id`` (the one they come from) ended first.
         Other sets do not count: an earlier kernel's spares, ended at an attach, and the
         set a hard restart just stopped."""
-        world = self.plan.world_size
+        world = self.plan.world_size if count is None else count
         deadline = time.monotonic() + timeout
         note, asked = "engines up", 0.0
         while len(new := sorted(self.client.ids() - known)) < world:
@@ -257,7 +298,9 @@ class Engines:
             spares.end(self, standby)
         cluster = self.client.cluster
         if cluster is not None:
-            self.stop_engine_sets([self._set_id] if keep_standby else list(cluster.engines))
+            ours = [self._set_id, *self._replacements]
+            self.stop_engine_sets(ours if keep_standby else list(cluster.engines))
+            self._replacements = []
         wait_gone(engines, 5)  # by their exits: an attached kernel is not their parent
         if keep_standby:  # a hard restart: the next engines' pids come with them
             self._pids = {}

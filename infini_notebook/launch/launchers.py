@@ -168,6 +168,47 @@ def slurm_template(plan: SessionPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replacement_options(plan: SessionPlan, profile_dir: str, ranks: list[int]) -> dict:
+    """``Cluster.start_engines`` keyword arguments for new engines of ``ranks`` only, each
+    on its rank's host: the local launcher's as for a start; ssh's for those hosts, with
+    as many engines as ranks there. mpiexec and Slurm place a whole job: refused."""
+    place = plan.placement
+    if place.launcher not in ("local", "ssh"):
+        raise DistUsageError(
+            f"Replacing single ranks is not possible with the {place.launcher} launcher (it "
+            "starts every rank as one job): run %dist_restart --hard."
+        )
+    options = engine_options(plan, profile_dir)
+    if place.launcher == "ssh":
+        places = place.rank_places(plan.world_size)
+        wanted: dict[int, int] = {}
+        for r in ranks:
+            wanted[places[r][0]] = wanted.get(places[r][0], 0) + 1
+        hosts = [h for h, _ in place.hosts]
+        options["engines"] = {
+            hosts[i]: dict(options["engines"][hosts[i]], n=n) for i, n in wanted.items()
+        }
+    return options
+
+
+def assign_replacements(identities: dict[int, dict], plan: SessionPlan, ranks: list[int]):
+    """{rank: engine id} for new engines of ``ranks`` (``replacement_options``): by host
+    index where the engines know it (ssh), in order within a host."""
+    eids = sorted(identities)
+    if not all(identities[e].get("host_index") is not None for e in eids):
+        return dict(zip(sorted(ranks), eids))
+    places = plan.placement.rank_places(plan.world_size)
+    out = {}
+    for r in sorted(ranks):
+        eid = next(
+            e
+            for e in eids
+            if int(identities[e]["host_index"]) == places[r][0] and e not in out.values()
+        )
+        out[r] = eid
+    return out
+
+
 def assign_ranks(identities: dict[int, dict], plan: SessionPlan) -> list[int]:
     """Engine id of every global rank, from what each engine reported (``engine.identity``).
 
