@@ -328,7 +328,7 @@ def test_the_heartbeat_of_a_remote_rank_survives_deletion_and_replay(hosts):
         try:
             assert attacker.stdout.readline().strip() == "copied"
             wait = f"%%dist\nimport time\ntime.sleep({2 * WINDOW_S + 1})\nprint('here')"
-            out = text_of(k.run(wait))
+            out = text_of(k.run(wait, timeout=3 * WINDOW_S + 60))
             assert attacker.stdout.readline().strip() == "deleted"
             assert "[rank 0] here" in out and rank.is_running(), out
             assert out.count("heartbeat was deleted from its store") == 1, out
