@@ -268,6 +268,7 @@ def test_a_hard_restart_after_attach_keeps_the_session():
             if "autoreload" in case:
                 cells.run("%dist_autoreload on")
             rank1 = int(text_of(cells.run("print(dist_session.ranks[1].pid)")))
+            cells.run("%%dist\nkept = rank")
             attack.start(folder)  # 1,000 link swaps while the kernel restarts and attaches
             restart(cells)
             if "dead" in case:
@@ -276,6 +277,13 @@ def test_a_hard_restart_after_attach_keeps_the_session():
             assert "was detached" in said, said
             if "dead" in case:
                 assert "rank 1 died while detached" in said, said
+                # issue 51: the dead rank alone replaced after attach; rank 0 keeps its state
+                out = text_of(cells.run("%dist_restart --ranks 1", timeout=180))
+                assert "rank 1 replaced, the others kept their variables" in out, out
+                out = text_of(cells.run(
+                    "%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'kept' in globals())"
+                ))  # fmt: skip
+                assert "[rank 0] 2.0 True" in out and "[rank 1] 2.0 False" in out, out
             out = text_of(cells.run("%dist_restart --hard", timeout=180, allow_error=True))
             assert "Restarted (engines restarted)" in out, (case, out)
             out = text_of(
