@@ -347,3 +347,38 @@ def test_a_replayed_release_and_abort_are_not_acted_on(kernel, two, drop_box):
     out = text_of(kernel.run(FAILING, allow_error=True))
     assert "boom" in out and "released" in out, out
     assert time.monotonic() - t0 < 30
+
+
+def test_again_requests_written_while_the_user_typed_are_no_tampering():
+    """Review of issue 49: a user who took over 3 s to answer (the rank asks again every
+    3 s while it waits) was told "rank 0's answer was tampered with in the store; sent
+    again" although nobody touched the store. Only an "again" written after the answer is."""
+    import json
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from infini_notebook.core import signing
+    from infini_notebook.launch.rendezvous import Rendezvous
+
+    rdv = Rendezvous(SimpleNamespace(init_method=SimpleNamespace(kind="env")))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    rdv._keys = dist.PrefixStore("infini-test", server)
+    log, question = "infini/stdin/asks", {"id": "0-ab", "rank": 0, "prompt": "name? "}
+
+    def rank_asks(**again):
+        line = signing.sign(rdv.mac_key, log, json.dumps(dict(question, **again)))
+        rdv._keys.append(log, b"\n" + line + b"\n")
+
+    rank_asks()
+    assert [n for n, _ in rdv.prompts()] == ["0-ab"]
+    rank_asks(again=True)  # the user still types
+    rdv.answer_prompt("0-ab", {"value": "Ada"})
+    rdv._keys.delete_key("infini/stdin/answer/0-ab")  # the rank read it
+    assert rdv.prompts() == [] and rdv.take_notices() == []
+    assert not rdv._keys.check(["infini/stdin/answer/0-ab"])  # not sent again
+    rank_asks(again=True)  # someone deleted the answer before the rank read it
+    assert rdv.prompts() == []
+    assert rdv.take_notices() == ["rank 0's answer was tampered with in the store; sent again"]
+    assert rdv._keys.check(["infini/stdin/answer/0-ab"])

@@ -45,6 +45,9 @@ class Rendezvous:
         self._ask_lock = threading.Lock()  # one question to the ranks at a time
         self._prompted = 0  # bytes of the ranks' questions for stdin read so far
         self._answered: dict[str, dict] = {}  # answers given (until the cell ends), by id
+        # where the question log ended once each was given: a rank's "again" request
+        # written before (while the user typed) is no sign of tampering
+        self._answered_at: dict[str, int] = {}
         self._asked: set[str] = set()  # ids of the questions read
         method = plan.init_method
         self._made_init_file = method.kind == "file" and not os.path.exists(method.path)
@@ -230,19 +233,19 @@ class Rendezvous:
         store, key = self._keys, prompt_key("asks")
         written = rank_services.peek(store, key) if store is not None else None
         if written is None:
-            self._prompted = 0  # deleted: a new log begins (ranks waiting ask again)
+            self._log_begun_anew()  # deleted: a new log begins (ranks waiting ask again)
             return []
         if len(written) > ASKS_CAP:  # flooded: dropped whole; ranks that wait ask again
             store.delete_key(key)
-            self._prompted = 0
+            self._log_begun_anew()
             self._forged("a flood of the stdin question log (dropped whole)")
             return []
         if len(written) < self._prompted:  # the log was deleted and begun anew meanwhile
-            self._prompted = 0
-        end = written.rfind(b"\n") + 1
-        lines, self._prompted = written[self._prompted : end], max(self._prompted, end)
+            self._log_begun_anew()
+        start, end = self._prompted, written.rfind(b"\n") + 1
+        self._prompted = max(start, end)
         out = []
-        for line in filter(None, lines.splitlines()):
+        for at, line in _lines_at(written, start, end):
             body = signing.verify(self.mac_key, key, line)
             try:
                 question = json.loads(body)
@@ -251,7 +254,8 @@ class Rendezvous:
                 self._forged("an unsigned question for stdin")
                 continue
             if question.get("again") and n in self._answered:  # our answer never reached it
-                self._answer_again(n, question)
+                if at >= self._answered_at.get(n, 0):  # not one written while the user typed
+                    self._answer_again(n, question)
                 continue
             if n not in self._asked:  # a question replayed into the log is asked once
                 self._asked.add(n)
@@ -268,6 +272,14 @@ class Rendezvous:
             reply = {"sealed": signing.seal(self.mac_key, key, reply["value"])}
         self._keys.set(key, signing.sign(self.mac_key, key, json.dumps(reply)))
         self._answered[n] = reply
+        log = rank_services.peek(self._keys, prompt_key("asks"))
+        self._answered_at[n] = len(log) if log is not None else 0
+
+    def _log_begun_anew(self) -> None:
+        """The question log was deleted: read from its start, and every "again" request in
+        the new one was written after the answers given so far."""
+        self._prompted = 0
+        self._answered_at = dict.fromkeys(self._answered_at, 0)
 
     def _answer_again(self, n: str, question: dict) -> None:
         """A rank still waits for the answer we gave to question ``n``: someone deleted or
@@ -287,7 +299,7 @@ class Rendezvous:
         """Once a cell ended: delete the answers no rank read (it died or was stopped at its
         prompt), so that none lingers in the store, and the question log, read by then (it
         would grow with every pdb command of the session, and be read whole each poll)."""
-        answered, self._answered = list(self._answered), {}
+        answered, self._answered, self._answered_at = list(self._answered), {}, {}
         if self._keys is not None and self._prompted:
             try:
                 self._keys.delete_key(prompt_key("asks"))
@@ -319,3 +331,12 @@ class Rendezvous:
         except Exception:  # the store is closing with the session: show what we have
             pass
         return out
+
+
+def _lines_at(written: bytes, start: int, end: int):
+    """``(offset, line)`` of each non-empty line of ``written[start:end]``."""
+    at = start
+    for line in written[start:end].split(b"\n"):
+        if line:
+            yield at, line
+        at += len(line) + 1
