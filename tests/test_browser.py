@@ -66,6 +66,9 @@ CELLS = [
     "%%dist\nprint('back', rank)",
     # pdb at the input box, in the user's frame (issue 40 item 3)
     "%%dist\nx = rank * 10\ntorch.distributed.breakpoint(rank=1)\nprint('after', rank, x)",
+    # a Button's callback prints on its rank (issue 50: that text showed nowhere)
+    "%%dist\nimport ipywidgets\nbutton = ipywidgets.Button(description=f'click {rank}')\n"
+    "button.on_click(lambda _: print('clicked on', rank))\ndisplay(button)",
     "%dist_stop",
 ]
 TQDM_CELL = 6
@@ -74,6 +77,7 @@ SLEEPING_CELL = 8
 TIMEOUT_CELL = 12  # the cells from here on run after the first checks
 RESTART_CELL = 15  # and these after the refusal's
 PDB_CELL = 17
+BUTTON_CELL = 18
 STATUS_CELLS = (2, 10, 11, 14)  # the %dist_status cells
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
@@ -99,9 +103,11 @@ def test_widgets_render_in_jupyterlab(tmp_path):
         check_progress_bars(page, shots)
         run_cells(page, TIMEOUT_CELL, RESTART_CELL)
         check_refusal(page, shots)
-        run_cells(page, RESTART_CELL, len(CELLS))
+        run_cells(page, RESTART_CELL, BUTTON_CELL + 1)
         check_restart(page)
         check_pdb(page, shots)
+        check_button(page, shots)
+        run_cells(page, BUTTON_CELL + 1, len(CELLS))
         check_past_status(page, shots)
         check_contrast(page, shots, "light")
         page.evaluate(
@@ -303,6 +309,20 @@ def check_pdb(page, shots) -> None:
     # every rank goes on after the continue; their lines arrive each on its own
     for line in ("[rank 1] after 1 10", "[rank 0] after 0 0"):
         cell.get_by_text(line).wait_for(timeout=60_000)
+
+
+def check_button(page, shots) -> None:
+    """Issue 50: what a Button's callback prints on a rank shows at once beside that rank's
+    button, in the cell that showed it."""
+    shown = page.locator(".jp-Notebook .jp-Cell").nth(BUTTON_CELL).locator(".jp-Cell-outputArea")
+    button = shown.get_by_role("button", name="click 2")
+    button.wait_for(timeout=60_000)
+    assert "clicked" not in shown.inner_text()
+    button.click()
+    shown.get_by_text("clicked on 2").wait_for(timeout=30_000)
+    row = shown.locator(".widget-hbox", has_text="[rank 2]")
+    assert "clicked on 2" in row.inner_text() and "clicked on 1" not in shown.inner_text()
+    row.screenshot(path=str(shots / "button_callback.png"))
 
 
 def check_past_status(page, shots) -> None:
