@@ -11,7 +11,8 @@ ends as 4 figures. Rendering merges what reads the same on several ranks:
   without its time) and an identical line written after its cell (``(late) ...``): every
   rank names its cell the same way (engine/cell_names.py), so it is one block
   ``[ranks 0-3]``, whole, at the first rank's place (with ``collapse`` too);
-- with ``collapse``, any identical line (or display) at the same place in each rank's output.
+- with ``collapse``, any identical line (or display) at the same step of each rank's output
+  (a rank that reaches a merged block first waits there for the others).
 
 Figures (PNG or SVG displays) from two or more ranks are shown together once the cell ends:
 one "figures" item, in rank order, where the first of them was (4 ranks' plots stacked
@@ -124,7 +125,7 @@ class Transcript:
             self._changed = True
 
     def render(self, collapse: bool = False, figures_together: bool = False) -> list[Item]:
-        """Everything to show, in rank order (or, with ``collapse``, place by place); with
+        """Everything to show, in rank order (or, with ``collapse``, step by step); with
         ``figures_together``, the figures of several ranks as one "figures" item whose
         payload is ``[(rank, output), ...]``."""
         items = self._collapsed() if collapse else self._in_rank_order()
