@@ -160,6 +160,7 @@ def test_identical_late_lines_and_cpp_warnings_merge_across_ranks_without_their_
         t.add_text(r, "stderr", f"(late) {stamp} [c10d] The hostname of the client socket\n")
         t.add_text(r, "stdout", f"(late) thread done\nmine {r}\n")
         t.add_text(r, "stderr", f"{stamp} [c10d] again\n")
+        t.add_text(r, "stderr", f"[E1106 10:23:{r % 60:02d}.{r:09d} socket.cpp:1028] timed out\n")
     for collapse in (False, True):
         items = shown(t.render(collapse=collapse))
         everyone = tuple(range(64))
@@ -172,8 +173,9 @@ def test_identical_late_lines_and_cpp_warnings_merge_across_ranks_without_their_
         assert items[1] == (everyone, "stdout", "(late) thread done")
         mine = [i for i in items if i[2].startswith("mine")]
         assert mine == [((r,), "stdout", f"mine {r}") for r in range(64)]
-        again = [i for i in items if i[2].endswith("again")]
-        assert len(again) == 1 and again[0][0] == everyone
+        for said in ("again", "timed out"):
+            lines = [i for i in items if i[2].endswith(said)]
+            assert len(lines) == 1 and lines[0][0] == everyone, lines
     t.add_text(5, "stdout", "(late) only here\n")
     assert ((5,), "stdout", "(late) only here") in shown(t.render())
 

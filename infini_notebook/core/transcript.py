@@ -7,7 +7,7 @@ Jupyter does) and ``update_display`` replaces one of its displays, so a live plo
 ends as 4 figures. Rendering merges what reads the same on several ranks:
 
 - always, an identical warning (the warning line and the source lines under it, or a line
-  of torch's C++ warnings, ``[W1106 10:23:45.123456789 socket.cpp:752] ...``, compared
+  torch's C++ side logs, ``[W1106 10:23:45.123456789 socket.cpp:752] ...``, compared
   without its time) and an identical line written after its cell (``(late) ...``): every
   rank names its cell the same way (engine/cell_names.py), so it is one block
   ``[ranks 0-3]``, whole, at the first rank's place (with ``collapse`` too);
@@ -30,8 +30,9 @@ from .output import LATE
 
 # A line Python's warnings module starts a warning with: "In[7]:2: FutureWarning: ..."
 WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
-# The start of a warning of torch's C++ side (c10/util/Logging.cpp): severity, date, time
-C10_WARNING = re.compile(r"^\[W\d{3,4} \d\d:\d\d:\d\d\.\d+ ")
+# The start of a line torch's C++ side logs (c10/util/Logging.cpp): severity (info,
+# warning, error), date, time: "[W1127 21:12:44.761320144 TCPStore.cpp:340] [c10d] ..."
+C10_WARNING = re.compile(r"^\[[IWE]\d{3,4} \d\d:\d\d:\d\d\.\d+ ")
 TEXT_KINDS = ("stdout", "stderr")
 FIGURE_TYPES = ("image/png", "image/svg+xml")
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -269,7 +270,7 @@ def _merged_block(entries: list[tuple[str, Any]], i: int) -> tuple[tuple, tuple]
 
 
 # The time in a C++ warning's start, left out when ranks' warnings are compared
-C10_TIME = re.compile(r"^((?:\(late\) )?\[W\d{3,4}) \d\d:\d\d:\d\d\.\d+")
+C10_TIME = re.compile(r"^((?:\(late\) )?\[[IWE]\d{3,4}) \d\d:\d\d:\d\d\.\d+")
 
 
 def _display_id(output: dict) -> str | None:
