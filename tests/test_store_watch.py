@@ -218,6 +218,52 @@ def test_a_heartbeat_deleted_every_100ms_never_ends_the_rank(capfd):
     assert capfd.readouterr().err.count("heartbeat was deleted from its store") == 1
 
 
+# Another user keeping the kernel's beat from the rank: the key overwritten with an old copy
+# and deleted, in a tight loop (hundreds of thousands of writes a second's worth).
+FLOODER = """\
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+port, key, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+old = store.get(key)
+print("flooding", flush=True)
+writes, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    store.set(key, old)
+    store.delete_key(key)
+    writes += 2
+print(writes, flush=True)
+"""
+
+
+def test_a_beat_kept_from_the_rank_by_a_tight_loop_of_writes_never_ends_it():
+    """Issue 49's review: overwriting the key with an old beat, or deleting it, with no
+    pause ended the rank in one window although the kernel lived (its fresh beats were
+    never read). Its connection to the kernel's store, made before and still answering,
+    keeps it: the store lives in the kernel's process."""
+    store, beats = kernel_store()
+    watcher = start_watcher(store.port, 2)
+    flooder = None
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        time.sleep(0.5)  # it takes some beats
+        flooder = subprocess.Popen(
+            [sys.executable, "-c", FLOODER, str(store.port), f"{session_root(TOKEN)}/{ALIVE_KEY}",
+             "6"],
+            stdout=subprocess.PIPE, text=True, **popen_as_other(),
+        )  # fmt: skip
+        assert flooder.stdout.readline().strip() == "flooding"
+        writes = int(flooder.stdout.readline())  # 6 s: 3 windows
+        assert writes > 10_000, writes
+        assert watcher.poll() is None, watcher.stderr.read()
+    finally:
+        end(watcher)
+        if flooder is not None:
+            end(flooder)
+        beats.stop()
+
+
 def test_freshness_takes_only_newer_beats_by_its_own_clock():
     key = signing.new_key()
     fresh = Freshness(window=10, since=100.0)
@@ -242,3 +288,17 @@ def test_the_window_of_a_remote_rank_is_set_by_its_environment(capsys):
         assert (
             f"{LOST_AFTER_ENV}={bad!r} is not a number of seconds >= 2" in capsys.readouterr().err
         )
+
+
+def test_a_connection_made_before_the_last_beat_and_answering_holds_the_window_open():
+    fresh = Freshness(window=2.0, since=0.0)
+    fresh.connected(0.0)
+    assert fresh.take(5, 1.0)  # a fresh beat at 1.0, on the connection made at 0.0
+    fresh.reply(10.0)
+    assert not fresh.expired(10.0)  # no beat for 9 s, but the kernel's store answers
+    assert fresh.expired(16.0)  # ... then it stopped answering
+    fresh.connected(11.0)  # remade after the last beat: a store on the freed port, maybe
+    fresh.reply(11.5)
+    assert fresh.expired(11.5)
+    fresh.unreachable("refused")
+    assert fresh.linked is None and fresh.expired(3.5)

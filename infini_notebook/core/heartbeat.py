@@ -7,7 +7,8 @@ newer than the last it took, and judges freshness by when it took it (its own mo
 clock), never by T against its clock: hosts' clocks differ. So a copied beat served again
 (by another user from a store on the freed port, or written back into ours) never keeps a
 rank alive, and a deleted or garbled key is only a reason to look again: a rank ends when no
-fresh beat came within its window, and its last words say which of these it saw.
+fresh beat came within its window and its connection to the kernel's store is gone (lost,
+remade, or silent: see Freshness), and its last words say which of these it saw.
 """
 
 from __future__ import annotations
@@ -36,15 +37,28 @@ def read_beat(key: str, raw: bytes) -> int | None:
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
+LINK_ANSWERS_S = 5.0  # a connection counts as the kernel's store while it answered this recently
+
+
 @dataclass
 class Freshness:
     """What a rank knows of the kernel's beats: the newest sequence it took and when (its
-    monotonic clock), and what it saw since (for its last words)."""
+    monotonic clock), what it saw since (for its last words), and its connection to the
+    store: when it was made and when the store last answered on it.
+
+    A beat can be kept from a rank (another user deleting the key, or overwriting it with
+    an old copy, in a tight loop), but not its connection: one made before the last fresh
+    beat, still answering, goes to the store the kernel hosts (its process is alive: the
+    connection would have dropped with it). So the window ends the rank only when, besides
+    no fresh beat, that connection is gone: lost, remade since (a store on the freed port
+    is a new connection), or silent (a network split)."""
 
     window: float
     since: float  # the last fresh beat, or when the rank began to follow
     last: int = -1
     seen: str = "no heartbeat yet"
+    linked: float | None = None  # when the current connection was made
+    answered: float = float("-inf")  # when the store last answered on it
 
     def take(self, seq: int | None, now: float) -> bool:
         """A beat read now; whether it is fresh (newer than the last one taken)."""
@@ -57,11 +71,27 @@ class Freshness:
         self.last, self.since, self.seen = seq, now, "fresh"
         return True
 
+    def connected(self, now: float) -> None:
+        self.linked = now
+
+    def reply(self, now: float) -> None:
+        """The store answered on the current connection."""
+        self.answered = now
+
     def unreachable(self, why: str) -> None:
         self.seen = f"the store could not be reached ({why})"
+        self.linked = None
+
+    def link_holds(self, now: float) -> bool:
+        """The connection made before the last fresh beat still answers."""
+        return (
+            self.linked is not None
+            and self.linked <= self.since
+            and now - self.answered < LINK_ANSWERS_S
+        )
 
     def expired(self, now: float) -> bool:
-        return now - self.since > self.window
+        return now - self.since > self.window and not self.link_holds(now)
 
     def left(self, now: float) -> float:
         """Seconds until the window ends without a fresh beat."""

@@ -415,11 +415,13 @@ def watch_store(
     lost_after: float = STORE_LOST_AFTER_S,
 ):
     """Exit (code 3, saying why) when no fresh signed heartbeat of the kernel came for
-    ``lost_after`` seconds: a beat newer than the last one taken (core/heartbeat.py). A
-    dropped connection (a network blip, a NAT timeout) is reconnected with backoff; a
-    missing or garbled key is looked at again; a copied beat served again (by another user
-    who binds the freed port, or written back into the store) is not fresh. None of them
-    ends the rank before its window."""
+    ``lost_after`` seconds (a beat newer than the last one taken) and the connection made
+    before the last one no longer answers (core/heartbeat.py's Freshness). A dropped
+    connection (a network blip, a NAT timeout) is reconnected with backoff; a missing or
+    garbled key is looked at again; a copied beat served again (by another user who binds
+    the freed port, or written back into the store) is not fresh; a key kept from the rank
+    by writes in a tight loop does not end it while its connection to the kernel's store
+    answers. None of them ends the rank before its window."""
 
     def connect(left: float):
         import torch.distributed as dist
@@ -435,20 +437,25 @@ def watch_store(
             if store is None:
                 try:
                     store, delay = connect(fresh.left(time.monotonic())), 0.5
+                    fresh.connected(time.monotonic())
                 except Exception as e:
                     fresh.unreachable(str(e))
                     time.sleep(max(0.0, min(delay, fresh.left(time.monotonic()))))
                     delay = min(2 * delay, 8.0)
                     continue
             try:
-                store.wait([ALIVE_KEY], timedelta(seconds=2 * every))
+                try:
+                    store.wait([ALIVE_KEY], timedelta(seconds=2 * every))
+                except Exception as e:
+                    if "imeout" not in str(e):
+                        raise
+                # a reply from the store, key or none: the connection answers (a split
+                # network raises here, after the client's timeout)
                 raw = peek(store, ALIVE_KEY)
+                fresh.reply(time.monotonic())
             except Exception as e:
-                if "imeout" in str(e):  # waited: no key (deleted?): look again
-                    fresh.take(None, time.monotonic())
-                else:
-                    fresh.unreachable(str(e))
-                    store = None
+                fresh.unreachable(str(e))
+                store = None
                 continue
             beat = heartbeat.read_beat(mac_key, raw) if raw is not None else None
             if fresh.take(beat, time.monotonic()):
