@@ -235,6 +235,16 @@ def test_two_host_ssh_session(hosts):
             assert hosts.pids_in(ns) - sshd_pids - _descendants(sshd_pids)
         k.run("%%dist --ranks 3\nimport os\nos._exit(7)", allow_error=True)
         assert states(k) == ["idle", "idle", "failed", "died"]  # the engine unregistered
+        # issue 51: a new rank 3 on host b, through the ssh launcher; the others stay
+        on_a = hosts.pids_in(hosts.names[0])
+        out = text_of(k.run("%dist_restart --ranks 3", timeout=180))
+        assert "rank 3 replaced" in out, out
+        out = text_of(k.run(
+            "%%dist\nimport os\nx = torch.ones(1); dist.all_reduce(x)\n"
+            "print(x.item(), os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'])"
+        ))  # fmt: skip
+        assert "[rank 3] 4.0 1 1" in out and "[rank 0] 4.0 0 0" in out, out
+        assert hosts.pids_in(hosts.names[0]) == on_a  # nothing new on host a
         k.run("%dist_stop", timeout=120)
         deadline = time.time() + 20
         while time.time() < deadline:
@@ -336,7 +346,7 @@ def test_the_heartbeat_of_a_remote_rank_survives_deletion_and_replay(hosts):
             os.kill(kernel, 9)  # the kernel is gone, the port free
             t0 = time.monotonic()
             assert attacker.stdout.readline().strip() == "serving"
-            rank.wait(30)
+            rank.wait(WINDOW_S + 30)
             took = time.monotonic() - t0
         finally:
             attacker.kill()
