@@ -74,6 +74,7 @@ class CellWatch:
         prompts; notice ranks that fail or die while others run, and release the waits that
         can never finish. The Stop button raises DistInterrupted."""
         s, cell = self.s, self.cell
+        s.rendezvous.take_notices()  # an interrupted cell's: said there, as they came
         prompts = Prompts(s, cell, on_answer=self.human_answered)
         s.book.set_busy(cell.targets, True)
         stuck = None

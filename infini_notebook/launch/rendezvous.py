@@ -212,13 +212,12 @@ class Rendezvous:
                     self._late.append(key)
         return out
 
-    def _forged(self, what: str) -> None:
+    def _forged(self, what: str, why: str = "not signed by this session") -> None:
         """A message in the store that our key did not sign: ignored, said once per kind."""
         if what not in self._forgeries:
             self._forgeries.add(what)
-            print(f"infini_notebook: {what} was ignored (not signed by this session)",
-                  file=sys.stderr)  # fmt: skip
-            self._notices.append(f"{what} was ignored (not signed by this session)")
+            print(f"infini_notebook: {what} was ignored ({why})", file=sys.stderr)
+            self._notices.append(f"{what} was ignored ({why})")
 
     def take_notices(self) -> list[str]:
         """What was said of tampering in the store since the last call: a cell shows it
@@ -238,7 +237,10 @@ class Rendezvous:
         if len(written) > ASKS_CAP:  # flooded: dropped whole; ranks that wait ask again
             store.delete_key(key)
             self._log_begun_anew()
-            self._forged("a flood of the stdin question log (dropped whole)")
+            self._forged(
+                "a flood of the stdin question log (dropped whole)",
+                f"over {ASKS_CAP >> 20} MiB: not what this session's ranks write",
+            )
             return []
         if len(written) < self._prompted:  # the log was deleted and begun anew meanwhile
             self._log_begun_anew()
