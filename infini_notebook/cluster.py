@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .core.errors import DistCellError, DistInterrupted, DistUsageError
+from .core.keep import kept_clause
 from .core.options import StartOptions
 from .core.plan import SessionPlan
 from .core.rankbook import RankBook
@@ -501,9 +502,18 @@ class Session:
         left, covered = left_output.still_running(self, stuck)  # an earlier kernel's cell
         native = [r for r in stuck if r not in covered]
         line = self.book.session_line(died, native)
-        if not left:
-            return line
-        return f"{line}; {left}" if died or native or self.book.broken() else left
+        if left:
+            line = f"{line}; {left}" if died or native or self.book.broken() else left
+        if self.keeper.keeps:  # its name, and how long it outlives its kernel
+            line = f"{self.plan.name!r} {line} · kept: {kept_clause(self.plan.keep_s)}"
+        return line
+
+    def kept_line(self) -> str:
+        """The ready line's "kept session 'train': waits 30m for a kernel once none drives
+        it", or "" for a session that ends with its kernel."""
+        if not self.keeper.keeps:
+            return ""
+        return f"kept session {self.plan.name!r}: {kept_clause(self.plan.keep_s)}"
 
     def require_whole(self) -> None:
         """DistUsageError, one line, while the process groups are not whole (a rebuild

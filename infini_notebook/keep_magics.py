@@ -9,6 +9,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cluster
 from .launch import keep
+from .viz.render import text_table
 
 
 @magics_class
@@ -72,7 +73,7 @@ class KeepMagics(Magics):
         if not rows:
             print("No kept session. Start one with %dist_start --nprocs 4 --name NAME --keep 30m.")
         else:
-            print(frame.to_string(index=False))
+            print(text_table([[r[c] for c in columns] for r in rows], columns))
         return None
 
 

@@ -79,7 +79,8 @@ class DistMagics(Magics):
         session = cluster.start(progress=viz.Progress("%dist_start"), options=options)
         self.shell.user_ns["dist_session"] = session
         rows, how, layout = session.ranks, session.engines.how, session.layout.sizes_text()
-        print(f"{ready_text(session.plan.backend, rows, how, layout)} Use %%dist to run code.")
+        ready = ready_text(session.plan.backend, rows, how, layout, session.kept_line())
+        print(f"{ready} Use %%dist to run code.")
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | all")

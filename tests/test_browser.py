@@ -109,6 +109,8 @@ def test_widgets_render_in_jupyterlab(tmp_path):
         check_button(page, shots)
         run_cells(page, BUTTON_CELL + 1, len(CELLS))
         check_past_status(page, shots)
+        check_reflow(page, shots)
+        check_saved_status(page, tmp_path / "widgets.ipynb")
         check_contrast(page, shots, "light")
         page.evaluate(
             "() => window.jupyterapp.commands.execute('apputils:change-theme', "
@@ -349,6 +351,60 @@ def check_past_status(page, shots) -> None:
         assert " · as of " in past.locator(".infini-title").inner_text()
     failure.scroll_into_view_if_needed()
     failure.screenshot(path=str(shots / "status_past.png"))
+
+
+def check_reflow(page, shots) -> None:
+    """Issue 50: the tiles follow the notebook's width. Wide, a row holds the layout's 2
+    columns (tp 2); narrow (a debugger panel open), one tile a row, each inside its
+    output, none cut off."""
+    output = (
+        page.locator(".jp-Notebook .jp-Cell").nth(STATUS_CELLS[-1]).locator(".jp-OutputArea-output")
+    )
+    tiles = output.locator(".infini-rank-tile")
+    size = page.viewport_size
+
+    def columns() -> list[float]:
+        boxes = [tiles.nth(r).bounding_box() for r in range(4)]
+        right = output.bounding_box()["x"] + output.bounding_box()["width"]
+        assert all(b["x"] + b["width"] <= right + 1 for b in boxes), (boxes, right)
+        return sorted({round(b["x"]) for b in boxes})
+
+    assert len(columns()) == 2
+    page.set_viewport_size({"width": 700, "height": size["height"]})
+    try:
+        page.wait_for_function(
+            "(i) => { const t = [...document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+            ".querySelectorAll('.infini-rank-tile')]; return t.length === 4 && "
+            "new Set(t.map((e) => Math.round(e.getBoundingClientRect().x))).size === 1; }",
+            arg=STATUS_CELLS[-1],
+            timeout=10_000,
+        )
+        assert len(columns()) == 1
+        output.scroll_into_view_if_needed()
+        output.screenshot(path=str(shots / "status_narrow.png"))
+    finally:
+        page.set_viewport_size(size)
+
+
+def check_saved_status(page, path) -> None:
+    """Issue 50: a %dist_status output is HTML and text updated in place, not a widget (a
+    widget's output reads "Error displaying widget: model not found" once its kernel is
+    gone): the saved notebook holds each one's last state, as the page shows it now."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    shown = [cells.nth(i).locator(".infini-title").inner_text().strip() for i in STATUS_CELLS]
+    before = os.path.getmtime(path)
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    deadline = time.monotonic() + 15
+    while os.path.getmtime(path) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    saved = json.load(open(path))["cells"]
+    for i, title in zip(STATUS_CELLS, shown):
+        (out,) = saved[i]["outputs"]
+        assert "application/vnd.jupyter.widget-view+json" not in out["data"], out["data"].keys()
+        text = "".join(out["data"]["text/plain"])
+        tiles = "".join(out["data"]["text/html"]).count('class="infini-rank-tile ')
+        assert text.startswith(f"{title}\n") and tiles == 4, (title, text[:200])
+    assert shown[-1].startswith("session stopped") and " · as of " in shown[0], shown
 
 
 def answer_input(page, shots) -> None:

@@ -79,8 +79,10 @@ def test_missing_names_and_plain_values(kernel, four):
     err = message(kernel.run("%dist_diff no_such_name", allow_error=True))
     assert "(ranks 0-3: NameError: name 'no_such_name' is not defined)" in err, err
     assert err.count("NameError") == 1, err  # once, not once per rank
-    kernel.run("d = %dist_diff cfg --group world")
+    said = text_of(kernel.run("d = %dist_diff cfg --group world"))
     rows = text_of(kernel.run("print(d.to_dict('records'))"))
+    assert "'group': 'world group 0 (ranks 0-3)'" in rows and "world group" in said, rows
+    assert "tp-cp" not in rows + said  # the group of all ranks is "world", not its dims
     assert "'leaf': 'step', 'ranks': 'ranks 1,3'" in rows and "compared by equality" in rows, rows
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from infini_notebook.core.errors import DistUsageError
-from infini_notebook.core.keep import check_name, format_duration, lease_verdict, parse_duration
+from infini_notebook.core.keep import (
+    check_name,
+    format_duration,
+    kept_clause,
+    lease_verdict,
+    parse_duration,
+)
 
 
 @pytest.mark.parametrize(
@@ -19,6 +25,11 @@ def test_durations(text, seconds):
 def test_bad_durations_name_the_form(text):
     with pytest.raises(DistUsageError, match="90s, 10m, 2h"):
         parse_duration(text)
+
+
+def test_the_keep_time_is_said_as_the_user_gave_it():
+    assert kept_clause(parse_duration("2h")) == "waits 2h for a kernel once none drives it"
+    assert kept_clause(parse_duration("90s")) == "waits 1m 30s for a kernel once none drives it"
 
 
 def test_format_duration_keeps_two_units():

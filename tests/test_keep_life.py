@@ -8,7 +8,6 @@ test_keep.py drives them."""
 
 from __future__ import annotations
 
-import html
 import re
 import secrets
 import subprocess
@@ -40,16 +39,16 @@ class Listener:
     def __init__(self, cells):
         self.kc = cells.client.kc
         self.streams: list[str] = []
-        self.titles: list[str] = []  # each status summary line a widget was sent
+        self.titles: list[str] = []  # each status summary line its display was sent
 
     def take(self, msg) -> None:
         kind, content = msg["header"]["msg_type"], msg["content"]
         if kind == "stream":
             self.streams.append(content["text"])
-        elif kind == "comm_msg":
-            value = str(content.get("data", {}).get("state", {}).get("value", ""))
-            if "infini-title" in value:
-                self.titles.append(html.unescape(re.sub("<[^>]+>", "", value)))
+        elif kind in ("display_data", "update_display_data"):  # %dist_status: in place
+            text = content.get("data", {}).get("text/plain", "")
+            if text.startswith("session "):
+                self.titles.append(text.split("\n", 1)[0])
 
     def run(self, code: str) -> None:
         """A cell whose output keeps coming after it ends (``%dist_status``)."""
@@ -90,11 +89,14 @@ def stop_seconds(out: str) -> float:
 def test_lost_kernels_freeze_quietly_detach_keeps_and_stops_end_everything():
     name = f"kl-{secrets.token_hex(3)}"
     with fresh_kernel() as first, fresh_kernel() as second, fresh_kernel() as third:
-        first.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=240)
+        said = text_of(first.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=240))
+        kept = "waits 2m for a kernel once none drives it"  # the ready line and status say so
+        assert f"kept session {name!r}: {kept}; " in said, said
         first.run("%%dist\nx = rank * 10 + 1")
         folder = folder_of(first)
         heard = Listener(first)
         heard.run("%dist_status")  # live tiles, refreshed twice a second
+        assert heard.titles[0].startswith(f"session {name!r} ready · kept: {kept} · 2 ranks")
 
         # another kernel takes it over: the first one's tiles freeze with who drives it now
         said = text_of(second.run(f"%dist_attach {name} --force"))
@@ -116,7 +118,9 @@ def test_lost_kernels_freeze_quietly_detach_keeps_and_stops_end_everything():
         assert f"Detached session {name!r}" in said and f"%dist_attach {name}" in said, said
         listed = text_of(third.run("%dist_sessions"))
         row = [r for r in listed.splitlines() if r.split()[:1] == [name]]
-        assert row and "detached, ends in" in row[0], listed
+        head = listed.splitlines()[0]  # each header over its column (the text starts there)
+        assert row and row[0][head.index("driver") :].startswith("detached, ends in"), listed
+        assert row[0][head.index("backend") :].startswith("gloo "), listed
         out = second.run("%%dist\nprint(x)", allow_error=True)
         assert "detached session" in message(out), text_of(out)
         said = text_of(third.run(f"%dist_attach {name}"))

@@ -244,9 +244,12 @@ def test_subgroups_stay_apart(kernel, profiled):
     )
     tables = profile_tables(kernel, code, out / "groups")
     rows = tables["collectives"]
-    assert len(rows) == 4 and all(c["ranks"] == 2 and c["n"] == 1 for c in rows), rows
-    groups = {c["group"] for c in rows}  # four groups, none mixed, named as errors name them
-    assert groups == {"tp [ranks 0-1]", "tp [ranks 2-3]", "dp [ranks 0,2]", "dp [ranks 1,3]"}
+    assert len(rows) == 4 and all(c["n"] == 1 for c in rows), rows
+    groups = {(c["group"], c["ranks"]) for c in rows}  # four groups, none mixed, named as
+    assert groups == {  # errors name them; "ranks" lists the members (was a count, 2)
+        ("tp [ranks 0-1]", "0-1"), ("tp [ranks 2-3]", "2-3"),
+        ("dp [ranks 0,2]", "0,2"), ("dp [ranks 1,3]", "1,3"),
+    }  # fmt: skip
     # rank 0 waited for rank 2, which was still waiting for rank 3: the delay started at 3
     assert tables["verdict"].startswith(
         "rank 3 is where the delay starts: it arrived last in 2 of 2 all_reduces; the other"

@@ -81,3 +81,28 @@ def test_a_long_summary_wraps_between_words_and_keeps_the_path_whole():
     assert text.split() == shown.summary(wrapped=False).split()  # no word cut in two
     assert f"{FOLDER}/:" in text and "https://ui.perfetto.dev" in text
     assert profile_render.wrap("a " * 80 + "x" * 150).endswith("\n" + "x" * 150)
+
+
+def test_the_tables_headers_stand_over_their_columns():
+    """Text left under its header's start, numbers right under its end; the collectives'
+    ranks are their members (the 4 synthetic ranks: "0-3"), not a count."""
+    text = result()._repr_mimebundle_()["text/plain"]
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("n  collective"))
+    header, rows = lines[head], lines[head + 1 : head + 4]
+    for row in rows:
+        assert row[header.index("ranks") :].startswith("0-3  "), (header, row)  # text: left
+        end = header.index("at_ms") + len("at_ms")  # numbers: right, under the header's end
+        assert row.rstrip().endswith(".0") and len(row.rstrip()) == end, (header, row)
+    first = next(i for i, line in enumerate(lines) if line.startswith("rank  wall_ms"))
+    header = lines[first]
+    for row in lines[first + 1 : first + 5]:
+        assert row.index("aten::mm") == header.index("top_ops"), (header, row)
+
+
+def test_a_top_ops_item_is_never_broken_in_the_html():
+    html = result()._repr_mimebundle_()["text/html"]
+    cells = re.findall(r"<td>([^<]*aten::[^<]*)</td>", html)
+    assert cells and all(c == "aten::mm\u00a0100\u00a0%" for c in cells), cells
+    ranks = re.findall(r"<td>(\d+-\d+)</td>", html)
+    assert ranks == ["0-3"] * 3, ranks  # the collectives' members

@@ -198,6 +198,27 @@ def fake_state(rank: int, state: str = "idle", **kw) -> RankState:
     return RankState(rank=rank, state=state, **{**base, **kw})
 
 
+def test_status_text_keeps_every_column_under_its_header():
+    """A long state ("died (exit -9)") or all four coords pushed the columns after them
+    right of their headers in %dist_status's text."""
+    layout = ParallelLayout(16, tp=2, cp=2, pp=2)
+    coords = {"tp": 1, "cp": 1, "dp": 1, "pp": 1}
+    rows = [fake_state(0, "died", exit_code=-9, coords=coords), fake_state(1, host="h" * 20)]
+    summary, header, *lines = viz.status_text(rows, layout).splitlines()
+    for line, rs in zip(lines, rows):
+        for name, value in (("coords", viz.coords_label(rs.coords, layout)), ("host", rs.host)):
+            assert line[header.index(name) :].startswith(value), (header, line)
+        assert line[: header.index("pid") + 3].endswith(str(rs.pid)), (header, line)
+
+
+def test_a_kept_sessions_ready_line_names_it_and_its_keep_time():
+    from infini_notebook.viz.status_render import ready_text
+
+    kept = "kept session 'train': waits 30m for a kernel once none drives it"
+    line = ready_text("gloo", [fake_state(0)], "engines started", kept=kept)
+    assert line == f"1 rank ready (gloo; {kept}; engines started)."
+
+
 def test_status_tile_shows_gpu_memory_and_dead_exit_code():
     gpu = fake_state(1, "busy", device="cuda:0", device_name="NVIDIA H100", memory_used=3 << 30)
     tile = viz.status_tile_html(gpu, ParallelLayout(4, tp=2))
@@ -510,21 +531,31 @@ def test_groups_magic_plans_without_a_session(kernel):
 
 
 def test_status_magic_and_session_value_show_the_widget(kernel):
+    """%dist_status is HTML and text updated in place (no widget: its output must show the
+    last state once the kernel is gone); a session as a cell's value is a live widget."""
     kernel.run("%dist_start --nprocs 2 --tp 2 --timeout 30", timeout=180)
-    for source in ("%dist_status", "dist_session"):
+    for source, widget in (("%dist_status", False), ("dist_session", True)):
         cell = kernel.run(source)
         data = cell.outputs[-1]["data"]
-        assert WIDGET in data, source
+        assert (WIDGET in data) == widget, source
         assert data["text/html"].count('class="infini-rank-tile') == 2
         assert re.search(r"1\s+idle\s+tp1", data["text/plain"])
     kernel.run(
         "from infini_notebook.viz import status\nlive = status._status_widgets[dist_session]"
     )
     assert "warm template RSS" in text_of(kernel.run("print(live.title)"))
+    shown = kernel.run("%dist_status\nshown = status._status_widgets[dist_session]")
+    assert shown.outputs[-1]["data"]["text/plain"].startswith("session ready · 2 ranks")
+    assert " · as of " in text_of(kernel.run("print(live.title)"))  # frozen by the newer one
     kernel.run("session = dist_session\n%dist_stop")
-    title = text_of(kernel.run("live._thread and live._thread.join(5)\nprint(live.title)"))
+    title = text_of(kernel.run("shown._thread and shown._thread.join(5)\nprint(shown.title)"))
     assert title.startswith("session stopped · 2 ranks: 2 stopped · as of "), title
     assert "template" not in title and "spare" not in title, title  # they are gone
+    # its display was updated in place to the stopped state, what a saved notebook keeps
+    # (the browser's view: test_browser.py)
+    said = text_of(kernel.run("print(shown._shown)"))
+    assert f"'text/plain': '{title.strip()}" in said and "infini-state-stopped" in said, said
+    assert WIDGET not in said
 
 
 def test_state_badges_and_group_tiles_keep_text_readable_in_any_theme():
@@ -551,3 +582,23 @@ def test_color_by_lists_only_kinds_made_of_dims_larger_than_one():
 
     assert color_kinds(ParallelLayout(4, tp=2)) == ["tp", "dp"]  # cp = pp = 1: 2, not 8
     assert "tp-pp" in color_kinds(ParallelLayout(16, tp=2, pp=2))
+
+
+def test_text_tables_put_each_header_over_its_column():
+    """%dist_sessions' plain text (issue 50): with values holding spaces, pandas' right-aligned
+    text put "driver" over the end of "started". Text starts under its header, numbers end
+    under theirs, whatever the widths."""
+    columns = ["name", "ranks", "backend", "started", "driver", "memory"]
+    rows = [
+        ["train", 4, "gloo", "2026-11-26 10:45:01", "kernel pid 4242", "1.2 GiB"],
+        ["a-long-name", 16, "nccl, GPUs 0,1,2,3", "2026-11-26 09:00:00", "detached, ends in 9m 58s",
+         "12.2 GiB"],
+    ]  # fmt: skip
+    header, *lines = viz.text_table(rows, columns).splitlines()
+    for row, line in zip(rows, lines):
+        for name, value in zip(columns, row):
+            if isinstance(value, int):
+                end = header.index(name) + len(name)
+                assert line[:end].endswith(f" {value}") and line[end : end + 2] == "  ", line
+            else:
+                assert line[header.index(name) :].startswith(value), (name, header, line)

@@ -33,6 +33,12 @@ def format_duration(seconds: float) -> str:
     return " ".join(shown[:2]) or "0s"
 
 
+def kept_clause(keep_s: float) -> str:
+    """What ``--keep`` promises, as the ready line and the status say it: 'waits 30m for a
+    kernel once none drives it'."""
+    return f"waits {format_duration(keep_s)} for a kernel once none drives it"
+
+
 def check_name(name: str) -> str:
     """A session name: letters, digits, ``_ . -``, at most 64, not starting with a sign."""
     if not _NAME.fullmatch(name or ""):  # no trailing newline, no "/": a file name

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from . import blame, clockfit, gloo_ops, intervals, recorder
 from .comm_ops import CommOp
 from .rank_trace import RankTrace, ops, summary, window
-from .ranks import rank_label
+from .ranks import format_ranks, rank_label
 
 
 def align(traces: list[RankTrace]) -> None:
@@ -228,7 +228,7 @@ def collective_rows(traces: list[RankTrace]) -> list[dict]:
                     group_ranks.get(key[1]),
                 ),
                 "n": key[-1] - first[key[:-1]] + 1,
-                "ranks": len(ms),
+                "ranks": format_ranks([m.rank for m in ms]),  # its members: "0-3", not 4
                 "last_rank": last.rank,
                 "arrival_spread_ms": (last.start - start) / 1000,
                 "wait_caused_ms": sum(min(last.start, m.end) - m.start for m in ms) / 1000,

@@ -36,6 +36,7 @@ def diff(s, expression: str, kind: str | None = None, atol: float = 0.0):
     except ValueError as e:
         raise DistUsageError(f"Bad --group {kind!r}: {e}") from None
     groups = s.layout.groups(kind)
+    kind = s.layout.kind_label(kind)  # "world", never "tp-cp-dp-pp", in rows and the line
     got = s.apply(replica_check.digests, expression)
     missing = {r: d["missing"] for r, d in got.items() if "missing" in d}
     if missing:

@@ -4,7 +4,9 @@ Three views, each a live ipywidget in JupyterLab plus a static HTML render (nbco
 and a plain-text render (terminals) that both name every rank with its coordinates:
 
 - ``StatusWidget`` (``status``): one tile per rank (coords, host, device, pid, state),
-  refreshed by a background thread from ``session.status()`` so it moves while cells run.
+  refreshed by a background thread from ``session.status()`` so it moves while cells run:
+  for ``%dist_status`` a display updated in place (a saved notebook keeps its last state),
+  for a session shown as a cell's value an ipywidget.
 - ``GroupGrid`` (``grid``): the rank grid of a ``ParallelLayout`` colored by one kind's groups;
   clicking a rank outlines every group it belongs to. Works without a session, for planning.
 - ``BenchView`` / ``plot_busbw`` / ``p2p_heatmap`` (``bench_plots``): benchmark curves and the
@@ -30,6 +32,7 @@ _EXPORTS = {
         "groups_legend", "hosts_by_block", "layout_html", "layout_mimebundle", "layout_text",
         "positions",
         "row_label", "selection_text", "size_label", "spanning_groups", "table_bundle",
+        "text_table",
     ),
     "status_render": (
         "BUSY_SHOWN_AFTER_S", "STATE_COLORS", "device_label", "device_text", "state_text",

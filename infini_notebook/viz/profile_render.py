@@ -9,7 +9,7 @@ import re
 import textwrap
 from typing import TYPE_CHECKING
 
-from .render import esc
+from .render import esc, text_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,7 +28,8 @@ RANKS_CAPTION = (
 )
 COLLECTIVES_CAPTION = (
     "The {shown} that made the others wait most, of {total} in the cell (ms). n: its number "
-    "in the cell (a group's collectives, a pair's messages, from 1); last_rank: who arrived "
+    "in the cell (a group's collectives, a pair's messages, from 1); ranks: its members; "
+    "last_rank: who arrived "
     "last; arrival_spread_ms: from the first arrival to the last; wait_caused_ms: the "
     "members' wait for the last, summed; at_ms: the first arrival, from the cell's start."
 )
@@ -52,6 +53,12 @@ def shown(df: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
         if str(col).endswith("_ms"):
             out[col] = [f"{v:.1f}" if v == v and v is not None else "" for v in df[col]]
     return out
+
+
+def unbroken_items(text: str) -> str:
+    """``aten::mm 62 %, aten::add_ 20 %`` with each item's spaces made non-breaking: the
+    browser wraps a top_ops cell between items, never inside one ("62" / "%")."""
+    return ", ".join(item.replace(" ", "\u00a0") for item in text.split(", "))
 
 
 def tables(ranks: pd.DataFrame, collectives: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -92,7 +99,8 @@ def profile_text(verdict: str, ranks, collectives, summary: str) -> str:
     parts = [wrap(verdict), wrap(summary)]
     for caption, table in tables(ranks, collectives):
         if len(table):
-            parts.append(f"{wrap(caption)}\n{table.to_string(index=False)}")
+            rows = table.values.tolist()
+            parts.append(f"{wrap(caption)}\n{text_table(rows, list(table.columns))}")
     return "\n\n".join(parts)
 
 
@@ -103,6 +111,8 @@ def profile_html(verdict: str, ranks, collectives, figure: str, summary: str) ->
     out += [f"<p>{linked(line)}</p>" for line in summary.split("\n")]
     for caption, table in tables(ranks, collectives):
         if len(table):
+            if "top_ops" in table:
+                table = table.assign(top_ops=[unbroken_items(t) for t in table["top_ops"]])
             html = table.to_html(index=False, classes="infini-profile-table")
             head, rest = html.split(">", 1)
             out.append(f'{head}><caption style="text-align:left">{esc(caption)}</caption>{rest}')

@@ -414,6 +414,40 @@ def group_name(i: int) -> str:
     return name
 
 
+def text_table(rows: Sequence[Sequence[Any]], columns: Sequence[str], missing: str = "") -> str:
+    """A table for terminals and text outputs: columns two spaces apart, each header over its
+    values, text left-aligned and numbers right-aligned (pandas' ``to_string`` right-aligns
+    text too, so a header stood over the end of the column before it when values had
+    spaces). ``missing`` stands for None and NaN."""
+    cells = [[missing if _missing(v) else str(v) for v in row] for row in rows]  # "" stays
+    right = [
+        bool(rows) and all(_missing(row[i]) or _is_number(row[i]) for row in rows)
+        for i in range(len(columns))
+    ]
+    widths = [max([len(str(c))] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line([str(c) for c in columns])] + [line(row) for row in cells])
+
+
+def _missing(value: Any) -> bool:
+    return value is None or value == "" or (isinstance(value, float) and value != value)
+
+
+def _is_number(value: Any) -> bool:
+    """A number, or the text of one ("12.5": tables round their figures to text first)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def table_bundle(df: Any, missing: str = "-") -> dict:
     """A DataFrame shown as a table of its rows only: no index column (its 0, 1, ... mean
     nothing to a reader), ``missing`` where a value is NaN or None."""

@@ -2,7 +2,15 @@
 source (the session, duck-typed: viz never imports the cluster), and the registry that keeps
 one live widget per session: the latest shown (``%dist_status`` or the session's own
 display). An earlier one is frozen as a newer one appears, and the live one as the session
-stops, each keeping what it showed then, so scrolling back reads the past as it was."""
+stops or the kernel shuts down, each keeping what it showed then, so scrolling back reads
+the past as it was.
+
+``%dist_status`` shows plain HTML and text in a display updated in place, not a widget: a
+widget's output needs its kernel, and once that is gone (a restart, a notebook opened
+later) JupyterLab showed "Error displaying widget: model not found" for it, or a fallback
+written when it was first shown ("session ready"). JupyterLab drops what a kernel sends
+once a restart begins, so no last message can fix it up: the display holds the last state
+all along."""
 
 from __future__ import annotations
 
@@ -15,7 +23,13 @@ import ipywidgets as widgets
 
 from .progress import in_kernel
 from .render import CSS, esc, grid_shape
-from .status_render import status_html, status_summary, status_text, status_tile_html
+from .status_render import (
+    status_html,
+    status_summary,
+    status_text,
+    status_tile_html,
+    tiles_grid,
+)
 
 if TYPE_CHECKING:
     from ..core.layout import ParallelLayout
@@ -42,10 +56,29 @@ class StatusSource(Protocol):
     def gone_line(self) -> str | None: ...
 
 
-class StatusWidget(widgets.VBox):
+class _Shown:
+    """What one part of the status shows (a tile, the line), with or without a widget."""
+
+    def __init__(self) -> None:
+        self.value = ""
+        self.widget: widgets.HTML | None = None  # its view where the status is a widget
+
+    def set(self, html: str) -> None:
+        self.value = html
+        if self.widget is not None:
+            self.widget.value = html  # only a changed value goes to the browser
+
+
+class StatusWidget:
     """Live rank tiles for a session: a daemon thread polls ``session.status()`` every
     ``interval`` seconds (the kernel stays free) and stops when the session stops or on
-    ``close()``. ``refresh()`` does one poll by hand."""
+    ``close()``. ``refresh()`` does one poll by hand.
+
+    Shown two ways. ``show()`` (``%dist_status``): a display updated in place, plain HTML
+    and text, so that a notebook saved at any time, or whose kernel is gone, shows the last
+    state (a widget's output then read "Error displaying widget: model not found").
+    ``_repr_mimebundle_`` (a session as a cell's value): an ipywidget, HTML and text
+    fallbacks as of that moment."""
 
     def __init__(self, session: StatusSource, interval: float = 0.5, live: bool = True):
         self.session = session
@@ -55,19 +88,14 @@ class StatusWidget(widgets.VBox):
         self.title = ""  # the summary line it shows
         self.as_of = ""  # when the tiles were last brought up to date
         self._busy_since: dict[int, float] = {}  # rank -> when this widget first saw it busy
-        self.summary = widgets.HTML()
-        self.tiles = [widgets.HTML() for _ in range(session.world_size)]
-        for tile in self.tiles:
-            tile.add_class("infini-rank-tile-box")
-        cols = grid_shape(self.layout_).ncols if self.layout_ is not None else 4
-        grid = widgets.GridBox(
-            self.tiles,
-            layout=widgets.Layout(
-                grid_template_columns=f"repeat({min(cols, 8)}, max-content)", grid_gap="6px"
-            ),
-        )
-        super().__init__([widgets.HTML(CSS), self.summary, grid])
-        self.add_class("infini-status")
+        self.summary = _Shown()
+        self.tiles = [_Shown() for _ in range(session.world_size)]
+        self._cols = grid_shape(self.layout_).ncols if self.layout_ is not None else 4
+        self._rows: list[RankState] = []  # the last poll's rows, for the text render
+        self._display = None  # the display ``show`` made (updated in place)
+        self._publisher = self._parent = None  # IPython's display publisher, the cell's header
+        self._shown: dict | None = None  # what that display shows now
+        self._view: widgets.VBox | None = None  # the widget, made when shown as one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refresh()
@@ -82,7 +110,8 @@ class StatusWidget(widgets.VBox):
             if rs.state != "busy":
                 self._busy_since.pop(rs.rank, None)
             since = self._busy_since.setdefault(rs.rank, now) if rs.state == "busy" else None
-            tile.value = status_tile_html(rs, self.layout_, None if since is None else now - since)
+            tile.set(status_tile_html(rs, self.layout_, None if since is None else now - since))
+        self._rows = states
         self._show_title(status_summary(states, *_helpers(self.session, states)))
         self.as_of = time.strftime("%H:%M:%S")
         # Last: whoever waits on ``states`` then finds the tiles and summary of this poll
@@ -92,7 +121,49 @@ class StatusWidget(widgets.VBox):
 
     def _show_title(self, title: str) -> None:
         self.title = title
-        self.summary.value = f'<div class="infini-title">{esc(title)}</div>'
+        self.summary.set(f'<div class="infini-title">{esc(title)}</div>')
+        self._update_display()
+
+    def bundle(self) -> dict:
+        """What it shows now, as HTML and text: the line, then the tiles."""
+        grid = ";".join(f"{k}:{v}" for k, v in tiles_grid(self._cols).items())
+        tiles = "".join(tile.value for tile in self.tiles)
+        html = (
+            f'{CSS}<div class="infini-status">{self.summary.value}'
+            f'<div style="{grid}">{tiles}</div></div>'
+        )
+        table = status_text(self._rows, self.layout_).split("\n")[1:]  # under our own line
+        return {"text/html": html, "text/plain": "\n".join([self.title] + table)}
+
+    def show(self) -> None:
+        """Display it as a display of its own, updated in place while it is live."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        self._shown = self.bundle()
+        self._display = display(self._shown, raw=True, display_id=True)
+        self._publisher = getattr(get_ipython(), "display_pub", None)
+        self._parent = getattr(self._publisher, "parent_header", None)
+
+    def _update_display(self) -> None:
+        if self._display is None:
+            return
+        bundle = self.bundle()
+        if bundle == self._shown:
+            return
+        self._shown = bundle
+        # As a message of the %dist_status cell, whatever cell runs now: JupyterLab finds
+        # the display by its id; a runner (nbclient) reads only the running cell's messages,
+        # so the notebook it writes keeps what the cell showed, not a later moment's state.
+        pub = self._publisher
+        token = pub.set_thread_parent(self._parent) if hasattr(pub, "set_thread_parent") else None
+        try:
+            self._display.update(bundle, raw=True)
+        except Exception:  # a kernel closing its channels: nothing more to tell
+            pass
+        finally:
+            if token is not None:
+                pub.reset_thread_parent(token)
 
     def freeze(self) -> None:
         """Stop updating: the tiles keep what they show, the line says since when."""
@@ -140,11 +211,34 @@ class StatusWidget(widgets.VBox):
 
     def close(self) -> None:
         self.stop()
-        super().close()
+        if self._view is not None:
+            self._view.close_all()
+            self._view = None
+
+    def widget(self) -> widgets.VBox:
+        """The tiles as an ipywidget (made once), updated as the status is."""
+        if self._view is None:
+            for part in [self.summary, *self.tiles]:
+                part.widget = widgets.HTML(part.value)
+            for tile in self.tiles:
+                tile.widget.add_class("infini-rank-tile-box")
+            css = tiles_grid(self._cols)  # reflows to the output's width (status_render)
+            grid = widgets.GridBox(
+                [tile.widget for tile in self.tiles],
+                layout=widgets.Layout(
+                    grid_template_columns=css["grid-template-columns"],
+                    grid_gap=css["gap"],
+                    max_width=css["max-width"],
+                    width="100%",
+                ),
+            )
+            self._view = widgets.VBox([widgets.HTML(CSS), self.summary.widget, grid])
+            self._view.add_class("infini-status")
+        return self._view
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         states = self.session.status()
-        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        bundle = self.widget()._repr_mimebundle_(**kwargs) or {}
         helpers = _helpers(self.session, states)
         bundle["text/html"] = status_html(states, self.layout_, *helpers)
         bundle["text/plain"] = status_text(states, self.layout_, *helpers)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..core.devices import sharing_text
-from .render import CSS, coords_label, esc, format_bytes, grid_shape
+from .render import CSS, coords_label, esc, format_bytes, grid_shape, text_table
 
 if TYPE_CHECKING:
     from ..core.layout import ParallelLayout
@@ -28,6 +28,9 @@ STATE_COLORS = {
 }
 STATE_WORDS = {"prompt": "at a prompt"}  # a state's name as a tile and the summary say it
 BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
+TILE_MIN_PX = 230  # a tile's least width: its min-width (200 px) with padding and borders
+TILE_PX = 300  # its width where the output has room for a row of the layout
+TILE_GAP_PX = 6
 
 
 def device_label(rs: RankState) -> str:
@@ -111,13 +114,33 @@ def status_summary(
     session = f"session {session_line} · " if session_line else ""
     shared = _shared_gpus(states)
     shared = f" · {shared}" if shared else ""
-    return f"{session}{len(states)} ranks: " + ", ".join(parts) + shared + template + spare
+    return f"{session}{_ranks(len(states))}: " + ", ".join(parts) + shared + template + spare
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _shared_gpus(rows: Sequence[RankState]) -> str:
     """'GPU 0: ranks 0-1, shared: correctness, not speed' where ranks share a GPU."""
     gpus = [rs.gpu for rs in rows]
     return sharing_text(gpus) if None not in gpus else ""
+
+
+def tiles_grid(cols: int) -> dict[str, str]:
+    """The tiles' CSS grid: a row holds the layout's columns (at most 8) where the output is
+    wide enough, and fewer, each tile at least TILE_MIN_PX wide, where it is not (a
+    debugger panel open): tiles move to the next row, never cut off. A fixed column count
+    overflowed a narrow output."""
+    n = max(1, min(cols, 8))
+    gaps = TILE_GAP_PX * (n - 1)
+    least = f"max({TILE_MIN_PX}px, calc((100% - {gaps}px) / {n}))"  # n per row at most
+    return {
+        "display": "grid",
+        "grid-template-columns": f"repeat(auto-fill, minmax({least}, 1fr))",
+        "gap": f"{TILE_GAP_PX}px",
+        "max-width": f"{n * TILE_PX + gaps}px",
+    }
 
 
 def status_html(
@@ -129,7 +152,7 @@ def status_html(
 ) -> str:
     tiles = "".join(status_tile_html(rs, layout) for rs in states)
     cols = grid_shape(layout).ncols if layout is not None else 4
-    grid = f"display:grid;grid-template-columns:repeat({min(cols, 8)},max-content);gap:6px"
+    grid = ";".join(f"{k}:{v}" for k, v in tiles_grid(cols).items())
     summary = status_summary(states, template_rss, spares, session_line)
     return (
         f'{CSS}<div class="infini-status"><div class="infini-title">'
@@ -144,20 +167,22 @@ def status_text(
     spares: int = 0,
     session_line: str = "",
 ) -> str:
-    rows = [status_summary(states, template_rss, spares, session_line)]
-    rows.append(f"{'rank':>4}  {'state':<13} {'coords':<14} {'host':<16} {'pid':>7}  device")
-    for rs in states:
-        coords = coords_label(rs.coords, layout)
-        rows.append(
-            f"{rs.rank:>4}  {state_text(rs):<13} {coords:<14} {rs.host[:16]:<16} "
-            f"{rs.pid:>7}  {device_text(rs)}" + (f"  ({rs.note})" if rs.note else "")
-        )
-    return "\n".join(rows)
+    columns = ["rank", "state", "coords", "host", "pid", "device"]
+    rows = [
+        [rs.rank, state_text(rs), coords_label(rs.coords, layout), rs.host, rs.pid,
+         device_text(rs) + (f"  ({rs.note})" if rs.note else "")]
+        for rs in states
+    ]  # fmt: skip
+    summary = status_summary(states, template_rss, spares, session_line)
+    return f"{summary}\n{text_table(rows, columns)}"
 
 
-def ready_text(backend: str, rows: Sequence[RankState], how: str, layout: str = "") -> str:
+def ready_text(
+    backend: str, rows: Sequence[RankState], how: str, layout: str = "", kept: str = ""
+) -> str:
     """%dist_start's line: '4 ranks ready (tp 2 x dp 2; nccl; GPUs 4,5,6,7; 8 threads per
-    rank; how).' ``layout``: ``ParallelLayout.sizes_text()``, as %dist_groups shows it."""
+    rank; how).' ``layout``: ``ParallelLayout.sizes_text()``, as %dist_groups shows it;
+    ``kept``: a kept session's name and keep time (``Session.kept_line``)."""
     gpus = [rs.gpu for rs in rows if rs.gpu is not None]
     threads = sorted({rs.threads for rs in rows if rs.threads})
     parts = [layout] if layout else []
@@ -170,5 +195,7 @@ def ready_text(backend: str, rows: Sequence[RankState], how: str, layout: str = 
     shared = _shared_gpus(rows)
     if shared:
         parts.append(shared)
+    if kept:
+        parts.append(kept)
     parts.append(how)
-    return f"{len(rows)} ranks ready ({'; '.join(parts)})."
+    return f"{_ranks(len(rows))} ready ({'; '.join(parts)})."
