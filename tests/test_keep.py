@@ -280,9 +280,8 @@ def test_a_hard_restart_after_attach_keeps_the_session():
                 # issue 51: the dead rank alone replaced after attach; rank 0 keeps its state
                 out = text_of(cells.run("%dist_restart --ranks 1", timeout=180))
                 assert "rank 1 replaced, the others kept their variables" in out, out
-                out = text_of(cells.run(
-                    "%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'kept' in globals())"
-                ))  # fmt: skip
+                check = "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'kept' in dir())"
+                out = text_of(cells.run(f"%%dist\n{check}"))
                 assert "[rank 0] 2.0 True" in out and "[rank 1] 2.0 False" in out, out
             out = text_of(cells.run("%dist_restart --hard", timeout=180, allow_error=True))
             assert "Restarted (engines restarted)" in out, (case, out)

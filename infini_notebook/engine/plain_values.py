@@ -144,8 +144,8 @@ def canonical(value: Any, depth: int = 0) -> str:
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
     if torch is not None and isinstance(value, torch.Tensor):
-        from .replica_check import local
         from .tensor_hash import checksum
+        from .tensor_leaves import local
 
         data = local(value)
         return f"{name}({data.dtype}, {list(value.shape)}, {checksum(data.cpu())})"
@@ -279,7 +279,7 @@ def _largest(a, b) -> float | int | None:
 
     import torch
 
-    from .replica_check import largest_difference
+    from .tensor_leaves import largest_difference
 
     if a.dtype.kind not in "biufc":
         return None

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import plain_values
 from .tensor_hash import checksum, word_dtype, words
+from .tensor_leaves import largest_difference, local  # noqa: F401 (tests import them here)
 
 
 def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -60,26 +61,6 @@ def _walk(obj: Any, path: str, out: dict[str, Any], inside: dict[int, str]) -> N
 def _key(key: Any) -> str:
     """A dict key in a path: itself, a set's elements in a sorted order."""
     return plain_values.show(key) if isinstance(key, (set, frozenset)) else str(key)
-
-
-def local(t):
-    """A tensor's own data: a DTensor's local shard, a sparse tensor densified, a quantized
-    one's values (its integers alone would call tensors of another scale identical), a
-    conjugate or negative view resolved (such views cannot be viewed as other dtypes)."""
-    import torch
-
-    t = t.detach()
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        t = to_local()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_quantized:
-        try:
-            return t.dequantize()
-        except RuntimeError:  # sub-byte quantized types have no dequantize kernel here
-            return t.int_repr()
-    return t.resolve_conj().resolve_neg()
 
 
 def placement(t) -> dict:
@@ -157,34 +138,6 @@ def digests(expression: str) -> dict:
     except Exception as e:
         return {"missing": f"{type(e).__name__}: {e}"}
     return {"leaves": {path: describe(v) for path, v in leaves(value).items()}}
-
-
-def largest_difference(a, b) -> float | int | None:
-    """max |a - b|: exact for integers (an int64 difference past 2**53 does not round to
-    0), NaN where either holds a NaN, 1 for booleans that differ; None for dtypes torch has
-    no arithmetic for (bits, sub-byte integers, float4 pairs)."""
-    import torch
-
-    if a.numel() == 0:
-        return 0
-    if a.dtype == torch.bool:
-        return float((a != b).any())
-    try:
-        if a.is_complex():
-            return float((a.to(torch.complex128) - b.to(torch.complex128)).abs().max())
-        if a.is_floating_point():
-            return float((a.double() - b.double()).abs().max())
-        if a.element_size() < 8:
-            return int((a.long() - b.long()).abs().max())
-    except NotImplementedError:
-        return None
-    # 64-bit integers, in int64 order (uint64's with the top bit flipped): the larger less
-    # the smaller wraps past 2**63, and read unsigned it is exact.
-    flip = -(1 << 63) if a.dtype == torch.uint64 else 0
-    a, b = a.view(torch.int64) ^ flip, b.view(torch.int64) ^ flip
-    d = a.maximum(b) - a.minimum(b)
-    wrapped = d[d < 0]
-    return int(wrapped.max()) + (1 << 64) if wrapped.numel() else int(d.max())
 
 
 def max_diffs(expression: str, transfers: list[tuple[str, int, int, bool]], cpu: bool) -> dict:
