@@ -236,7 +236,8 @@ def test_two_host_ssh_session(hosts):
         k.run("%%dist --ranks 3\nimport os\nos._exit(7)", allow_error=True)
         assert states(k) == ["idle", "idle", "failed", "died"]  # the engine unregistered
         # issue 51: a new rank 3 on host b, through the ssh launcher; the others stay
-        on_a = hosts.pids_in(hosts.names[0])
+        pids = "print([r.pid for r in dist_session.status()])"
+        kept = ast.literal_eval(text_of(k.run(pids)))[:3]
         out = text_of(k.run("%dist_restart --ranks 3", timeout=180))
         assert "rank 3 replaced" in out, out
         out = text_of(k.run(
@@ -244,7 +245,9 @@ def test_two_host_ssh_session(hosts):
             "print(x.item(), os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'])"
         ))  # fmt: skip
         assert "[rank 3] 4.0 1 1" in out and "[rank 0] 4.0 0 0" in out, out
-        assert hosts.pids_in(hosts.names[0]) == on_a  # nothing new on host a
+        now = ast.literal_eval(text_of(k.run(pids)))
+        assert now[:3] == kept and now[3] not in kept, (kept, now)  # the others stayed
+        assert now[3] in hosts.pids_in(hosts.names[1])  # the new rank 3 runs on host b
         k.run("%dist_stop", timeout=120)
         deadline = time.time() + 20
         while time.time() < deadline:
