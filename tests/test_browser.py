@@ -622,6 +622,7 @@ def check_profile(page, shots) -> None:
     output = good.locator(".jp-OutputArea")
     output.scroll_into_view_if_needed()
     output.screenshot(path=str(shots / "profile.png"))
+    check_top_ops(page, good, shots)
     said = failed.locator(".jp-OutputArea-output pre", has_text="rank traces")
     said.wait_for(timeout=180_000)
     assert said.locator('a[href^="https://ui.perfetto.dev"]').count() == 1  # JupyterLab's link
@@ -632,6 +633,49 @@ def check_profile(page, shots) -> None:
     assert shown == lines, (lines, shown, said.inner_text())  # no line broken by the browser
     os.makedirs(OUT, exist_ok=True)
     shutil.copy(shots / "profile.png", OUT)
+
+
+# Each top_ops item of the ranks' table: (its text, the lines it takes, the lines its cell takes)
+TOP_OPS_JS = """(cell) => {
+  const table = cell.querySelector("table.infini-profile-table");
+  const col = [...table.querySelectorAll("th")].map((th) => th.innerText.trim()).indexOf("top_ops");
+  const lines = (range) => new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size;
+  const out = [];
+  for (const row of table.querySelectorAll("tbody tr")) {
+    const td = row.children[col], text = td.firstChild, whole = document.createRange();
+    whole.selectNodeContents(td);
+    let start = 0;
+    for (const item of td.textContent.split(", ")) {
+      const range = document.createRange();
+      range.setStart(text, start);
+      range.setEnd(text, start + item.length);
+      out.push([item, lines(range), lines(whole)]);
+      start += item.length + 2;
+    }
+  }
+  return out;
+}"""
+
+
+def check_top_ops(page, cell, shots) -> None:
+    """Issue 50: in a notebook too narrow for the ranks' table, top_ops wraps between its
+    items ("aten::mm 62 %, ..."), never inside one ("62" / "%")."""
+    size = page.viewport_size
+    page.set_viewport_size({"width": 1000, "height": size["height"]})
+    try:
+        page.wait_for_function(
+            "(c) => c.querySelector('.jp-OutputArea-output').getBoundingClientRect().width < 700",
+            arg=cell.element_handle(),
+            timeout=10_000,
+        )
+        items = cell.evaluate(TOP_OPS_JS)
+        cell.locator("table.infini-profile-table").first.screenshot(
+            path=str(shots / "profile_narrow.png")
+        )
+    finally:
+        page.set_viewport_size(size)
+    assert items and all(n == 1 for _, n, _ in items), items
+    assert any(cell_lines > 1 for *_, cell_lines in items), items  # it did wrap
 
 
 def re_verdict(text: str):
