@@ -590,3 +590,18 @@ def test_a_link_made_after_the_check_is_not_followed(shared_folder):
         export.write_script(path, "print(2)\n")  # made after the check: not overwritten
     export.write_script(path, "print(3)\n", force=True)
     assert open(path).read() == "print(3)\n"
+
+
+def test_a_replaced_rank_leaves_the_script_as_it_was():
+    """Issue 51: %dist_restart --ranks changes nothing the script runs: its ranks start
+    once; the line is noted where it happened, for what it was."""
+    cells = [H(1, "%%dist\nw = torch.ones(2)"), H(3, "%%dist\nprint(w.sum())")]
+    plain = script(*cells)
+    replaced = script(cells[0], H(2, "%dist_restart --ranks 2"), cells[1])
+    note = (
+        "In[2]: %dist_restart --ranks 2 (replaced a rank that died; the script's ranks start once)"
+    )
+    assert replaced.skipped == [note], replaced.skipped
+    header = 'Left out (1): see the "# skipped" comments.'
+    lines = [ln for ln in replaced.text.splitlines() if ln not in (f"# skipped {note}", header)]
+    assert [ln for ln in lines if ln] == [ln for ln in plain.text.splitlines() if ln]

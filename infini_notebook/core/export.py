@@ -106,6 +106,9 @@ NOT_EXPORTED = {
     "dist_interrupt": "stopped a running cell; the script runs every cell to the end",
 }
 SHOWS_ONLY = "shows the session; no script equivalent"
+# A rank replaced alone (%dist_restart --ranks): the script's ranks start once and run on;
+# what the new rank was given again (%dist_heal, a cell) is in the script's cells already.
+REPLACED = "replaced a rank that died; the script's ranks start once"
 _MAGIC = re.compile(r"^\s*%(\w+)")
 _IPYTHON_ONLY = re.compile(r"^\s*(%|!(?!=))")
 
@@ -357,6 +360,8 @@ def _kernel_block(cell: HistoryCell, out: Export) -> str:
         if name in SETUP_MAGICS:
             continue
         why = NOT_EXPORTED.get(name, SHOWS_ONLY if name.startswith("dist_") else None)
+        if name == "dist_restart" and ("--ranks" in line or " -r " in f"{line} "):
+            why = REPLACED
         if why:
             notes.append(_skip(out, cell.number, line, why))
     code = [
