@@ -11,7 +11,8 @@ from typing import Any
 
 from ..core.errors import DistCellError, DistUsageError
 from ..core.output import one_line
-from ..engine import bootstrap, shm_transport
+from ..engine import shm_transport
+from ..engine import values as rank_values
 
 
 def shared_ranks(s, targets: list[int]) -> list[int]:
@@ -30,9 +31,9 @@ def pull(s, name: str, targets: list[int]) -> dict[int, Any]:
     shared = shared_ranks(s, targets)
     segments = shm_transport.make_segments(s.folder.shm_dir() if shared else None, "pull", shared)
     calls = {
-        r: (bootstrap.pull_shared, (name, segments[r]))
+        r: (rank_values.pull_shared, (name, segments[r]))
         if r in segments
-        else (bootstrap.pull_value, (name,))
+        else (rank_values.pull_value, (name,))
         for r in targets
     }
     try:
@@ -65,9 +66,9 @@ def _push(s, values: dict, targets: list[int]) -> None:
         if packed is None:  # ipyparallel's path for all (and its error for an unpicklable value)
             shared = []
         calls = {
-            r: (bootstrap.push_shared, (code, packed, segment[0]))
+            r: (rank_values.push_shared, (code, packed, segment[0]))
             if r in shared
-            else (bootstrap.push_values, (values,))
+            else (rank_values.push_values, (values,))
             for r in targets
         }
         replies = s.apply_each(calls, "push_values", timeout=60)
@@ -75,7 +76,7 @@ def _push(s, values: dict, targets: list[int]) -> None:
         shm_transport.remove(segment.values())
     missed = [r for r in shared if replies[r] is False]  # they see another /dev/shm
     if missed:
-        s.apply_each({r: (bootstrap.push_values, (values,)) for r in missed}, "push_values", 60)
+        s.apply_each({r: (rank_values.push_values, (values,)) for r in missed}, "push_values", 60)
 
 
 def _unsendable_text(values: dict, error: Exception) -> str:
