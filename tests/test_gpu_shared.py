@@ -239,3 +239,28 @@ def test_a_rank_cannot_take_more_than_its_memory_fraction(four):
     print(err, out, sep="\n")
     assert "OutOfMemoryError" in err or "out of memory" in err, err
     assert "[rank 1] fine 268435456" in out, out
+
+
+def test_a_rank_whose_gpu_context_a_device_side_assert_broke_is_replaced_alone(four):
+    """Issue 51: a device-side assert leaves rank 1's CUDA context unusable (its process
+    lives on); `%dist_restart --ranks 1` ends it and starts a new rank 1 on the same GPU,
+    the survivors' NCCL communicators aborted and made anew, their variables kept."""
+    four.run("%%dist\nkeep = torch.full((4,), float(rank), device=device)")
+    bad = four.run(
+        "%%dist\nif rank == 1:\n    i = torch.tensor([7], device=device)\n"
+        "    torch.zeros(2, device=device)[i].sum().item()",
+        allow_error=True,
+    )
+    if ON_GPU:
+        assert "device-side assert" in text_of(bad) or "CUDA error" in text_of(bad), text_of(bad)
+    else:  # CPU ranks: an IndexError stands for it
+        assert "index 7 is out of bounds" in text_of(bad), text_of(bad)
+    out = text_of(four.run("%dist_restart --ranks 1", timeout=240))
+    assert "rank 1 replaced, the others kept their variables" in out, out
+    after = text_of(
+        four.run(
+            "%%dist\nx = torch.ones(4, device=device); dist.all_reduce(x)\n"
+            "print('AFTER', x[0].item(), 'keep' in dir() and keep[0].item())"
+        )
+    )
+    assert said(after, "AFTER") == {0: "4.0 0.0", 1: "4.0 False", 2: "4.0 2.0", 3: "4.0 3.0"}
