@@ -23,6 +23,7 @@ from .core.ranks import parse_ranks, rank_label
 from .core.state import CellResult, Progress, RankState
 from .kernel import attach as attach_kept
 from .kernel import diff, execution, left_output, post_mortem, recovery, supervision, transfer
+from .kernel import heal as healing
 from .kernel import profile as cell_profile
 from .kernel.autoreload import AutoReload
 from .kernel.background import BackgroundCell
@@ -458,6 +459,18 @@ class Session:
         self.require_running()
         self.background.refuse("%dist_diff")
         return diff.diff(self, name, group, atol)
+
+    def heal(self, names: list[str] | str, group: str = "dp", to: str | list[int] | None = None):
+        """Give ranks that lack ``names`` (or were replaced since each was last healed into
+        them; ``to``: these ranks) the value from a healthy replica in their group of
+        ``group``, sent over the process group: modules (parameters and buffers in place,
+        or rebuilt from the source's pickled module), optimizer state, tensors, DTensors
+        replicated over the group, plain values. A name with no replica (a shard) is
+        refused in its line. Returns one ``Healed`` per name (``.line``, ``.ok``,
+        ``.nbytes``, ``.seconds``, ``.transfers``)."""
+        self.require_running()
+        self.background.refuse("%dist_heal")
+        return healing.heal(self, names, group, to)
 
     def debug(self, ranks: str | list[int] | None = None) -> None:
         """pdb post-mortem in the failing frame of each rank that failed in the last cell

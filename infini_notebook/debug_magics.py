@@ -1,6 +1,7 @@
 """The magics for finding what went wrong on the ranks: %dist_debug (post-mortem: pdb, or
-code in the failing frame), %dist_diff (are the replicas still the same?) and
-%%dist_profile (which rank is slow, and how long the others wait for it)."""
+code in the failing frame), %dist_diff (are the replicas still the same?), %dist_heal
+(make them the same again, from a healthy replica) and %%dist_profile (which rank is
+slow, and how long the others wait for it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .core.errors import DistUsageError
 from .kernel.profile import DEFAULT_MAX_MB
-from .magics import _assigned, _session
+from .magics import _assigned, _session, _unquote
 
 
 @magics_class
@@ -75,6 +76,36 @@ class DebugMagics(Magics):
 
             display(table_bundle(df), raw=True)
         return df if _assigned(self.shell, "dist_diff") else None
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="variables on the ranks: modules, optimizers, tensors...")
+    @argument(
+        "--from",
+        dest="group",
+        default="dp",
+        help="the group kind whose replicas give the value (dp; tp, cp, pp, world, cp-dp ...)",
+    )
+    @argument("--to", default=None, help="these ranks receive (e.g. 2 or 2,3): default, see below")
+    @line_magic
+    def dist_heal(self, line: str):
+        """Give ranks the value of NAME from a healthy replica in their group (default dp),
+        sent over the process group (a broadcast from the source rank; send/recv when only
+        some ranks of a group receive), not through the kernel. Who receives: the ranks
+        missing NAME, and those replaced (%dist_restart --ranks N) since NAME was last
+        healed into them; --to 2 names them instead. The source: the lowest rank of the
+        group that holds NAME and does not receive. Modules: parameters and buffers
+        overwritten in place (an optimizer over them stays valid), or, where NAME is
+        missing, the module rebuilt from the source's pickled module, then its tensors
+        sent. Optimizers: state and hyperparameters loaded (create the optimizer first).
+        Tensors, DTensors replicated over the group (their local tensor), plain values.
+        What has no replica in the group (a DTensor sharded over it, a module whose
+        parameters differ in shape, FSDP shards) is named in one line: load it from a
+        checkpoint. Prints one line per name: from which rank to which, bytes, time.
+        Afterwards %dist_diff NAME --group dp says identical. API: session.heal(names).
+        """
+        args = parse_argstring(self.dist_heal, line)
+        for healed in _session().heal(args.names, args.group, _unquote(args.to)):
+            print(healed.line)
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="run on these ranks only, e.g. 0,2 or 1-3")

@@ -32,6 +32,7 @@ class RankBook:
         self._broken: tuple[str, str] | None = None  # (why the groups are not whole, the fix)
         self._rebuilt = ""  # the session line after a rebuild that worked
         self._replaced: dict[int, float] = {}  # rank -> when its engine was replaced (time.time)
+        self._healed: dict[tuple[str, int], float] = {}  # (name, rank) -> when %dist_heal gave it
 
     # ----- the rows ------------------------------------------------------------------------
     def record(self, rows: list[RankState]) -> None:
@@ -134,6 +135,23 @@ class RankBook:
             self._broken, self._rebuilt = None, ""
             self._stuck -= set(ranks)
             self._replaced.update(dict.fromkeys(ranks, now))
+
+    def replaced_at(self) -> dict[int, float]:
+        """Each replaced rank's last replacement (time.time), for the tiles and %dist_heal."""
+        with self._lock:
+            return dict(self._replaced)
+
+    def healed(self, name: str, ranks: Iterable[int], now: float | None = None) -> None:
+        """%dist_heal gave ``name`` to ``ranks``: their copy is no longer stale."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._healed.update({(name, r): now for r in ranks})
+
+    def stale(self, name: str) -> set[int]:
+        """The ranks replaced since ``name`` was last healed into them (or never healed):
+        what they hold under it was made after the replacement, not a replica's."""
+        with self._lock:
+            return {r for r, t in self._replaced.items() if self._healed.get((name, r), 0) < t}
 
     def session_line(self, died: Iterable[int] = (), stuck: Iterable[int] = ()) -> str:
         """The session's state in a line: 'ready', 'rebuilt after a failure on rank 1,
