@@ -304,7 +304,7 @@ while True:
 
 # A rank's pid and the fd of the engine's own stderr (ipykernel's stream keeps it as fileno).
 RANK_STDERR = "%%dist\nimport os, sys\nprint(os.getpid(), sys.stderr.fileno())"
-WINDOW_S = int(os.environ.get("INFINI_TEST_WINDOW_S", 6))  # the rank's window (60 s by default)
+WINDOW_S = int(os.environ.get("INFINI_TEST_WINDOW_S", 3))  # the rank's window (60 s by default)
 
 
 def test_the_heartbeat_of_a_remote_rank_survives_deletion_and_replay(hosts):
