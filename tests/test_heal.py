@@ -28,7 +28,13 @@ wrapped.register_buffer('seen', torch.arange(3))
 x = torch.randn(1000, dtype=torch.float64)
 cfg = {'lr': 0.1, 'layers': [4, 3], 'name': 'run 1'}
 d = distribute_tensor(torch.randn(4, 4), mesh['dp'], [Replicate()])
-w = distribute_tensor(torch.randn(4, 4), mesh['tp'], [Shard(0)])"""
+w = distribute_tensor(torch.randn(4, 4), mesh['tp'], [Shard(0)])
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+net = Net()"""
+NET = SETUP[SETUP.index("class Net") : SETUP.index("net = Net()")]
 
 # Deep equality in the kernel: modules and optimizers by their state dicts, every tensor by
 # dtype, shape and torch.equal, containers by key and index, plain values by ==.
@@ -178,3 +184,18 @@ def test_a_tp_shard_is_refused_over_tp_and_healed_from_its_dp_replica(replaced):
     assert healed.startswith("healed w (DTensor) over dp from rank 0 to rank 2: 32 B"), healed
     k.run("%%dist\nw_local = w.to_local()")
     assert value(k, "replicas('w_local')") == (True, True)
+
+
+def test_a_module_of_a_class_from_a_notebook_cell_needs_that_cell_on_the_new_rank(replaced):
+    k = replaced
+    [failed], _ = lines(k, "%dist_heal net")
+    assert failed == (
+        "healing net (Net) over dp from rank 0 to rank 2 failed: on rank 2, Can't get "
+        "attribute 'Net' on <module '__main__'>: run the cell that defines it on rank 2 "
+        "first (%%dist --ranks 2), then %dist_heal net"
+    )
+    k.run("%%dist --ranks 2\n" + NET)
+    [healed], _ = lines(k, "%dist_heal net")
+    assert healed.startswith("healed net (Net) over dp from rank 0 to rank 2: "), healed
+    k.run("%%dist\nnet_sd = net.state_dict()")  # the kernel has no class Net to unpickle
+    assert value(k, "replicas('net_sd')") == (True, True)

@@ -263,17 +263,24 @@ def _receive(name: str, ns: dict, link: Link) -> dict:
             error = None
         except Exception as e:
             targets, install = [_empty(spec) for spec in header["leaves"]], None
-            error = f"rank {torch.distributed.get_rank()}: {type(e).__name__}: {e}"
+            error = _failed(e)
         got = sum(link.tensor(t) for t in targets)
         if install is not None:
             try:
                 install()
             except Exception as e:
-                error = f"rank {torch.distributed.get_rank()}: {type(e).__name__}: {e}"
+                error = _failed(e)
     out = {"nbytes": got + len(header.get("pickle") or b"")}
     if error:
         out["error"] = error
     return out
+
+
+def _failed(e: Exception) -> str:
+    import torch.distributed as dist
+
+    what = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+    return f"on rank {dist.get_rank()}, {what}"
 
 
 # ----- what is sent, and where it lands --------------------------------------------------------
@@ -316,7 +323,7 @@ def unpack(header: dict, name: str, ns: dict, rebuild: bool):
     object afterwards). Raises when the receiver's object does not fit the header."""
     kind = header["kind"]
     if kind == "module" and rebuild:
-        module, storages = unpickle_module(header["pickle"])
+        module, storages = _defined_here(name, unpickle_module, header["pickle"])
         return [_storage_bytes(s) for s in storages], lambda: bind(ns, name, module)
     if kind == "module":
         mine = dict(module_tensors(eval(name, ns)))
@@ -334,7 +341,21 @@ def unpack(header: dict, name: str, ns: dict, rebuild: bool):
     if kind == "tensor":
         targets = [_empty(header["leaves"][0])]
         return targets, lambda: bind(ns, name, _new_tensor(targets[0], header, ns))
-    return [], lambda: bind(ns, name, pickle.loads(header["pickle"]))
+    return [], lambda: bind(ns, name, _defined_here(name, pickle.loads, header["pickle"]))
+
+
+def _defined_here(name: str, loads, blob: bytes):
+    """``loads(blob)``, or why not in a sentence with the way on: a class defined in a
+    notebook cell (``__main__``) is unknown to a new rank until that cell runs there."""
+    import torch.distributed as dist
+
+    try:
+        return loads(blob)
+    except (AttributeError, ImportError) as e:
+        raise RuntimeError(
+            f"{e}: run the cell that defines it on rank {dist.get_rank()} first "
+            f"(%%dist --ranks {dist.get_rank()}), then %dist_heal {name}"
+        ) from None
 
 
 def bind(ns: dict, name: str, value) -> None:
