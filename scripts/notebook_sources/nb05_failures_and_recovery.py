@@ -19,8 +19,8 @@ CELLS = [
     | exception on one rank | that rank's traceback, labeled | none needed |
     | a rank fails, others wait | its traceback at once; the waits released | none: groups rebuilt |
     | hung collective, no failure | where each rank waits, live; timeout ends it | `%dist_restart` |
-    | you press stop | SIGINT to every rank; ranks stuck in C named, with stacks | see section 5 |
-    | a rank dies | the rank, its exit code or signal; peers released | `%dist_restart --hard` |
+    | you press stop | SIGINT to every rank; ranks waiting for them released | none: groups rebuilt |
+    | a rank dies | the rank, its exit code or signal; peers released | `%dist_restart --ranks N` |
 
     Cells that fail on purpose carry the tag `raises-exception`, so *Run All* goes on past
     them. About ten minutes, on 4 CPU ranks; on GPUs start with `--gpus 4` instead.
@@ -242,8 +242,8 @@ CELLS = [
     %dist_restart
     """),
     md("""
-    Without `--background`, pressing stop takes the stacks for you: it prints the stacks of
-    the ranks that do not stop (section 5).
+    Without `--background`, pressing stop ends the cell and frees the ranks that waited for
+    the ones it stopped (section 5).
 
     ## 5. Interrupting a cell
 
@@ -288,15 +288,15 @@ CELLS = [
     print("awake, keep =", keep)
     """),
     md("""
-    ### A rank that ignores the interrupt
+    ### Ranks waiting for a stopped rank
 
     Python reacts to a signal only between bytecodes. A rank blocked in native code (a
     collective waiting for its peers, a long CUDA synchronize) cannot raise
-    `KeyboardInterrupt` until that call returns. So after the SIGINT, `%%dist` waits 3 s;
-    ranks still running then are named, with their stacks (what `%dist_stacks` would show):
-    the top frame is the collective, the bottom one the line of the cell that called it.
-    Here rank 0 is in an `all_reduce` while the others sleep; the stop button ends the
-    sleepers, and rank 0 stays in its collective:
+    `KeyboardInterrupt` until that call returns. Here rank 0 is in an `all_reduce` while the
+    others sleep; the stop button ends the sleepers. They leave the cell as ranks that
+    raised, so rank 0, waiting for them, is released as in section 4, and the process
+    groups are rebuilt: one line says who stopped and who waited where, and the variables
+    are kept.
     """),
     code(
         """
@@ -311,32 +311,18 @@ CELLS = [
     """,
         "raises-exception",
     ),
-    md("""
-    The stuck rank stays busy until the collective timeout (5 s here) frees it. Meanwhile a
-    cell that needs it is refused, naming it, rather than queued behind the old one:
-    """),
-    code(
-        """
-    %%dist
-    print("next")
-    """,
-        "raises-exception",
-    ),
-    md("""
-    So wait out the timeout, then rebuild the groups as in section 3; the variables are kept
-    once more. (`%dist_restart --hard` would not wait, but
-    loses the variables.)
-    """),
-    code("""
-    import time
-    time.sleep(5)  # the 5 s collective timeout frees rank 0
-    """),
-    code("%dist_restart"),
     code("""
     %%dist
     y = torch.ones(1)
     dist.all_reduce(y)
     print(f"sum {y.item():.0f}, keep = {keep}")
+    """),
+    md("""
+    A rank that neither stops nor waits for a rank that left (native code that ignores the
+    signal and holds no collective) is named in one line after 3 s; `%dist_stacks` shows
+    where it is. It stays busy until it returns, or until the collective timeout; cells
+    that need it are refused, naming it, and `%dist_restart --ranks N` replaces it alone
+    (section 6).
     """),
     md("""
     ## 6. A dead rank
@@ -370,20 +356,29 @@ CELLS = [
     """),
     code("%dist_restart", "raises-exception"),
     md("""
-    `%dist_restart --hard` stops every engine and starts new ones, with new process groups
-    under a fresh store prefix. The new engines come from the session's warm template, which
-    has imported torch already: the spares it forked while it was idle (one per rank;
-    `%dist_status` counts them), or new forks if it was not idle long enough (as when this
-    notebook runs straight through), so it takes a second at most. Everything the ranks held
-    is gone: variables, models, optimizer state. Save what you cannot recompute (`%dist_pull`,
-    or `torch.save` on the ranks) before you need a hard restart.
+    `%dist_restart --ranks 2` starts a new engine for rank 2 alone, forked from the session's
+    warm template (torch already imported), and makes every rank's process groups anew. The
+    other ranks keep their processes and everything they hold; the new rank 2 starts with an
+    empty namespace (`%dist_heal` gives it what a replica in its dp group holds).
     """),
-    code("%dist_restart --hard"),
+    code("%dist_restart --ranks 2"),
     code("""
     %%dist
     y = torch.ones(1)
     dist.all_reduce(y)
     print(f"sum {y.item():.0f}; 'keep' still defined: {'keep' in globals()}")
+    """),
+    md("""
+    `%dist_restart --hard` stops every engine and starts new ones: the spares the template
+    forked while the session was idle (one per rank; `%dist_status` counts them), or new
+    forks, so it takes a second at most. Everything the ranks held is gone: variables,
+    models, optimizer state. Save what you cannot recompute (`%dist_pull`, or `torch.save`
+    on the ranks) before you need it.
+    """),
+    code("%dist_restart --hard"),
+    code("""
+    %%dist
+    print(f"'keep' still defined: {'keep' in globals()}")
     """),
     md("""
     ## 7. When the kernel itself dies
@@ -410,11 +405,12 @@ CELLS = [
       seconds; start with a `--timeout` that suits your job. When it fires, `%dist_restart`
       rebuilds the process groups and keeps every variable.
     - **`%dist_stacks`**: where every rank is now, even inside a collective.
-    - **Stop button**: SIGINT to every rank; ranks stuck in native code are named with their
-      stacks after 3 s and freed by the collective timeout.
+    - **Stop button**: SIGINT to every rank; the ranks waiting in a collective for one that
+      stopped are released and the groups rebuilt (variables kept); a rank that ignores it
+      is named in one line (`%dist_stacks` shows where).
     - **Dead rank**: named with its exit code within a second, its waiting peers released;
-      `%dist_restart --hard` starts
-      fresh engines, and the variables are lost.
+      `%dist_restart --ranks N` starts a new rank N and the others keep their variables;
+      `%dist_restart --hard` starts fresh engines for every rank.
     - **Kernel gone**: every process of the session ends within seconds.
     """),
 ]
