@@ -85,9 +85,7 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
         attempt, nonce = s.rendezvous.attempt, s.rendezvous.nonce
         with s.engines.client.lock:
             pending = {
-                r: s.engines.view(r).apply_async(
-                    bootstrap.reinit_distributed, attempt, nonce, True
-                )
+                r: s.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce, True)
                 for r in sorted(others)
             }
             for r in ranks:

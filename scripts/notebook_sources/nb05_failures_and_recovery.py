@@ -19,7 +19,7 @@ CELLS = [
     | exception on one rank | that rank's traceback, labeled | none needed |
     | a rank fails, others wait | its traceback at once; the waits released | none: groups rebuilt |
     | hung collective, no failure | where each rank waits, live; timeout ends it | `%dist_restart` |
-    | you press stop | SIGINT to every rank; ranks waiting for them released | none: groups rebuilt |
+    | you press stop | SIGINT to every rank; the ranks waiting released | none: groups rebuilt |
     | a rank dies | the rank, its exit code or signal; peers released | `%dist_restart --ranks N` |
 
     Cells that fail on purpose carry the tag `raises-exception`, so *Run All* goes on past
