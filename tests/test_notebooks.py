@@ -50,6 +50,8 @@ MODES = {
     "10-13": "shape",
     # 11: the kept sessions' table: when it started, its memory, its time left
     "11-07": "skip",
+    # 12: which ranks were seen waiting for the dead rank, and which lost their connection
+    "12-07": "skip",
 }
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -71,7 +71,8 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
             f"Cannot replace {rank_label(sorted(ranks))[1:-1]} alone: "
             f"{supervision.dead_text(dead)} too. Run %dist_restart --ranks {also}."
         )
-    stuck = [r for r in supervision.stuck_ranks(s, settle=STUCK_SETTLE_S) if r in others]
+    # the replaced ranks' engines may still count the task they died in: not asked
+    stuck = supervision.stuck_ranks(s, settle=STUCK_SETTLE_S, ranks=sorted(others))
     if stuck:
         raise DistUsageError(
             f"Cannot replace {rank_label(sorted(ranks))[1:-1]}: {rank_label(stuck)[1:-1]} "

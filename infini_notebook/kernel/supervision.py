@@ -28,16 +28,17 @@ def still_stuck(s) -> set[int]:
     return s.book.stuck(running=lambda: stuck_ranks(s))
 
 
-def stuck_ranks(s, settle: float = 0.0) -> list[int]:
-    """Ranks whose engine still has work queued or running. The controller counts a task
-    done a moment after its reply reached us: with ``settle``, ranks still counted busy are
-    asked again for up to that long (a rebuild right after a cell was refused for a rank
-    that had just answered)."""
+def stuck_ranks(s, settle: float = 0.0, ranks=None) -> list[int]:
+    """Ranks (of ``ranks``, default all) whose engine still has work queued or running.
+    The controller counts a task done a moment after its reply reached us: with
+    ``settle``, ranks still counted busy are asked again for up to that long (a rebuild
+    right after a cell was refused for a rank that had just answered)."""
     eid = s.engines.eid
+    ranks = range(s.world_size) if ranks is None else ranks
     deadline = time.monotonic() + settle
     while True:
         status = s.engines.client.queue_status()
-        busy = [r for r in range(s.world_size) if status.get(eid(r), {}).get("queue", 0) > 0]
+        busy = [r for r in ranks if status.get(eid(r), {}).get("queue", 0) > 0]
         if not busy or time.monotonic() >= deadline:
             return busy
         time.sleep(0.05)
