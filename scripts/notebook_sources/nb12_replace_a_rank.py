@@ -99,9 +99,10 @@ CELLS = [
     md("""
     The new rank runs the definitions again (in a notebook you would run that cell once
     more; here its text, from the kernel's history, runs on rank 2), and makes its own model
-    and optimizer, with the wrong state. `%dist_heal` then gives it the state of a healthy replica: the model's parameters,
-    the optimizer's state (Adam's moments and step counts) and the list of losses, sent from
-    rank 0 over the dp group by a broadcast, not through the notebook.
+    and optimizer, with the wrong state. `%dist_heal` then gives it the state of a healthy
+    replica: the model's parameters, the optimizer's state (Adam's moments and step counts)
+    and the list of losses, sent from rank 0 over the dp group by a broadcast, not through
+    the notebook.
     """),
     code("""
     raw = get_ipython().history_manager.input_hist_raw  # the cells as typed
