@@ -44,6 +44,9 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(DebugMagics)
     ipython.register_magics(KeepMagics)
     ipython.register_magics(LayoutMagics)
+    from .kernel import debug_proxy
+
+    debug_proxy.install(getattr(ipython, "kernel", None))  # JupyterLab's debugger on ranks
     if current() is None:
         from .launch.prewarm import warm
 

@@ -1,0 +1,176 @@
+"""JupyterLab's debugger on ranks (issue 52), driven through jupyter_client exactly as
+JupyterLab drives it: ``debug_request`` messages on the control channel (initialize, attach,
+debugInfo, dumpCell, setBreakpoints, configurationDone, then the cell's execute_request),
+``debug_reply`` answers, ``debug_event`` messages on iopub. The request arguments are the
+ones JupyterLab 4's debugger service sends (@jupyterlab/debugger, service.ts)."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from tests.conftest import use_session
+
+# x is the rank; y, z depend on it: what each rank's frame shows is checked against this
+DIST_CELL = "%%dist\nx = rank\ny = x + 10\nz = y * 2\nprint('done', rank, z)\n"
+PLAIN_CELL = "a = 5\nb = a + 1\nc = b * 7\n"
+
+
+class Lab:
+    """JupyterLab's side of the debugger: requests on the control channel, events kept."""
+
+    def __init__(self, connection_file: str):
+        self.kc = BlockingKernelClient(connection_file=connection_file)
+        self.kc.load_connection_file()
+        self.kc.start_channels()
+        self.seq = 0
+        self.events: list[dict] = []
+        self.streams: dict[str, str] = {}  # stdout text per request id
+
+    def request(self, command: str, arguments: dict | None = None, timeout: float = 30):
+        self.seq += 1
+        content = {"type": "request", "seq": self.seq, "command": command}
+        content["arguments"] = arguments or {}
+        msg = self.kc.session.msg("debug_request", content)
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rep = self.kc.control_channel.get_msg(timeout=deadline - time.monotonic())
+            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                assert rep["header"]["msg_type"] == "debug_reply"
+                return rep["content"]
+        raise TimeoutError(command)
+
+    def event(self, name: str, timeout: float = 30, **body) -> dict:
+        """The first debug_event ``name`` (whose body has ``body``'s items) not taken yet."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in self.events:
+                if e["event"] == name and all(e["body"].get(k) == v for k, v in body.items()):
+                    self.events.remove(e)
+                    return e
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {name} event {body}; had {self.events}")
+            self._read_iopub(0.2)
+
+    def _read_iopub(self, timeout: float) -> None:
+        try:
+            msg = self.kc.iopub_channel.get_msg(timeout=timeout)
+        except queue.Empty:
+            return
+        kind, parent = msg["header"]["msg_type"], msg["parent_header"].get("msg_id")
+        if kind == "debug_event":
+            self.events.append(msg["content"])
+        elif kind == "stream":
+            self.streams[parent] = self.streams.get(parent, "") + msg["content"]["text"]
+
+    def reply(self, msg_id: str, timeout: float = 60) -> dict:
+        """The execute_reply of ``msg_id``, reading iopub meanwhile (its output, events)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._read_iopub(0.05)
+            try:
+                rep = self.kc.shell_channel.get_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if rep["parent_header"].get("msg_id") == msg_id:
+                end = time.monotonic() + 0.5  # the output that trails the reply
+                while time.monotonic() < end:
+                    self._read_iopub(0.05)
+                return rep["content"]
+        raise TimeoutError("execute_reply")
+
+    def start(self) -> None:
+        """What JupyterLab sends when the debugger is switched on."""
+        init = {"clientID": "jupyterlab", "clientName": "JupyterLab", "adapterID": "python"}
+        init |= {"pathFormat": "path", "linesStartAt1": True, "columnsStartAt1": True}
+        init |= {"supportsVariableType": True, "supportsVariablePaging": True}
+        assert self.request("initialize", init)["success"]
+        assert self.request("attach")["success"]
+        assert self.request("debugInfo")["body"]["isStarted"]
+
+    def break_at(self, code: str, line: int) -> str:
+        path = self.request("dumpCell", {"code": code})["body"]["sourcePath"]
+        bp = {"breakpoints": [{"line": line}], "source": {"path": path}, "sourceModified": False}
+        assert self.request("setBreakpoints", bp)["success"]
+        assert self.request("configurationDone")["success"]
+        return path
+
+    def top(self, thread: int) -> dict:
+        return self.request("stackTrace", {"threadId": thread})["body"]["stackFrames"][0]
+
+    def locals(self, frame: int) -> dict[str, str]:
+        scopes = self.request("scopes", {"frameId": frame})["body"]["scopes"]
+        ref = scopes[0]["variablesReference"]
+        variables = self.request("variables", {"variablesReference": ref})["body"]["variables"]
+        return {v["name"]: v["value"] for v in variables}
+
+    def stop(self) -> None:
+        self.request("disconnect", {"restart": False, "terminateDebuggee": False})
+        self.kc.stop_channels()
+
+
+@pytest.fixture(scope="module")
+def lab(kernel):
+    use_session(kernel, "--nprocs 2")
+    lab = Lab(kernel.client.km.connection_file)
+    lab.start()
+    yield lab
+    lab.stop()
+
+
+def test_breakpoint_in_a_dist_cell_pauses_each_rank(lab):
+    path = lab.break_at(DIST_CELL, 3)  # editor line 3: y = x + 10 (the %%dist line is 1)
+    msg_id = lab.kc.execute(DIST_CELL)
+    stops = {}
+    for _ in range(2):
+        e = lab.event("stopped", reason="breakpoint")
+        stops[e["body"]["threadId"]] = e
+    threads = {t["id"]: t["name"] for t in lab.request("threads")["body"]["threads"]}
+    by_rank = {threads[tid]: tid for tid in stops}
+    assert set(by_rank) == {"rank 0", "rank 1"}, threads
+
+    for rank, tid in sorted(by_rank.items()):
+        r = int(rank.split()[1])
+        frame = lab.top(tid)
+        assert frame["line"] == 3 and frame["source"]["path"] == path, frame
+        assert frame["name"] == f"rank {r}: <module>"
+        names = lab.locals(frame["id"])
+        assert names["x"] == str(r) and "y" not in names  # line 3 not run yet
+        got = lab.request(
+            "evaluate", {"context": "repl", "expression": "x * 100"} | {"frameId": frame["id"]}
+        )
+        assert got["body"]["result"] == str(100 * r)
+
+    # next moves rank 0 only: its frame is on line 4 with y set, rank 1 still on line 3
+    assert lab.request("next", {"threadId": by_rank["rank 0"]})["success"]
+    lab.event("stopped", reason="step", threadId=by_rank["rank 0"])
+    frame0, frame1 = lab.top(by_rank["rank 0"]), lab.top(by_rank["rank 1"])
+    assert (frame0["line"], frame1["line"]) == (4, 3)
+    assert lab.locals(frame0["id"])["y"] == "10" and "y" not in lab.locals(frame1["id"])
+
+    # JupyterLab's Continue: thread 1 once it dropped the paused one; every rank runs on
+    assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] done 0 20" in out and "[rank 1] done 1 22" in out, out
+    assert lab.request("debugInfo")["body"]["stoppedThreads"] == []
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+
+
+def test_a_plain_cell_still_pauses_the_kernel(lab):
+    path = lab.break_at(PLAIN_CELL, 2)
+    msg_id = lab.kc.execute(PLAIN_CELL)
+    stop = lab.event("stopped", reason="breakpoint")
+    tid = stop["body"]["threadId"]
+    assert tid < 1_000_000_000  # the kernel's own thread, not a rank's
+    frame = lab.top(tid)
+    assert frame["line"] == 2 and frame["source"]["path"] == path
+    assert frame["name"] == "<module>"
+    assert lab.locals(frame["id"])["a"] == "5"
+    lab.request("continue", {"threadId": tid})
+    assert lab.reply(msg_id)["status"] == "ok"
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
