@@ -244,7 +244,8 @@ def test_a_rank_cannot_take_more_than_its_memory_fraction(four):
 def test_a_rank_whose_gpu_context_a_device_side_assert_broke_is_replaced_alone(four):
     """Issue 51: a device-side assert leaves rank 1's CUDA context unusable (its process
     lives on); `%dist_restart --ranks 1` ends it and starts a new rank 1 on the same GPU,
-    the survivors' NCCL communicators aborted and made anew, their variables kept."""
+    the survivors' NCCL communicators aborted and made anew, their variables kept; then
+    `%dist_heal` gives it its dp replica's tensor and work goes on."""
     four.run("%%dist\nkeep = torch.full((4,), float(rank), device=device)")
     bad = four.run(
         "%%dist\nif rank == 1:\n    i = torch.tensor([7], device=device)\n"
@@ -264,3 +265,8 @@ def test_a_rank_whose_gpu_context_a_device_side_assert_broke_is_replaced_alone(f
         )
     )
     assert said(after, "AFTER") == {0: "4.0 0.0", 1: "4.0 False", 2: "4.0 2.0", 3: "4.0 3.0"}
+    healed = text_of(four.run("%dist_heal keep --from dp"))  # from rank 3, its dp replica
+    assert "healed keep (Tensor) over dp from rank 3 to rank 1" in healed, healed
+    on = text_of(four.run("%%dist\nkeep += 1\nprint('ON', keep.sum().item(), keep.device)"))
+    values = {r: v.split()[0] for r, v in said(on, "ON").items()}
+    assert values == {0: "4.0", 1: "16.0", 2: "12.0", 3: "16.0"}, on  # it goes on from there

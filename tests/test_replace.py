@@ -86,14 +86,15 @@ def test_a_rank_that_exits_mid_cell_is_named_and_replaced_alone(four):
     assert notes[0] == notes[1] == notes[3] == ""
 
 
-@pytest.mark.parametrize("how", ["SIGKILL while idle", "SIGSEGV mid-cell"])
+@pytest.mark.parametrize("how", ["SIGKILL while idle", "SIGSEGV mid-cell", "SIGKILL mid-cell"])
 def test_a_killed_rank_is_replaced_and_the_others_keep_everything(four, how):
     before = fresh_start(four)
     if how == "SIGKILL while idle":
         os.kill(before[1][0], signal.SIGKILL)  # a rank of the session this test started
     else:
+        sig = how.split()[0]
         four.run(
-            "%%dist\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSEGV)",
+            f"%%dist\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.{sig})",
             allow_error=True,
         )
     four.run(  # the death is seen (a SIGKILL from outside: by its pid)
