@@ -152,7 +152,7 @@ def test_the_template_refuses_to_fork_with_threads_or_cuda():
     and CUDA cannot be used in a child of a process that initialised it."""
     probe = (
         "import threading, time, torch\n"
-        "from infini_notebook.launch.template import fork_refusal\n"
+        "from infini_notebook.launch.fork_safety import fork_refusal\n"
         "print('alone:', fork_refusal())\n"
         "torch.cuda.is_initialized = lambda: True\n"
         "print('cuda:', fork_refusal())\n"

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infini_notebook.launch.template import Template, driver_refusal, open_files, parse_request
+from infini_notebook.launch.fork_safety import driver_refusal, open_files
+from infini_notebook.launch.template import Template, parse_request
 from infini_notebook.launch.template_client import TemplateUnavailable, request
 
 
@@ -123,7 +124,7 @@ def test_open_files_sees_this_process_files(tmp_path):
 def test_a_fresh_interpreter_on_this_machine_may_fork():
     """The real check, in a process that imported only the template module."""
     code = (
-        "from infini_notebook.launch.template import driver_refusal, open_files\n"
+        "from infini_notebook.launch.fork_safety import driver_refusal, open_files\n"
         "print(driver_refusal(open_files()))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
