@@ -16,6 +16,15 @@ from tests.conftest import use_session
 
 # x is the rank; y, z depend on it: what each rank's frame shows is checked against this
 DIST_CELL = "%%dist\nx = rank\ny = x + 10\nz = y * 2\nprint('done', rank, z)\n"
+# only rank 0 reaches line 5; rank 1 waits for it in all_reduce meanwhile
+WAIT_CELL = """%%dist
+t = torch.ones(1)
+if rank == 0:
+    t += 1
+    t += 0
+dist.all_reduce(t)
+print('sum', t.item())
+"""
 PLAIN_CELL = "a = 5\nb = a + 1\nc = b * 7\n"
 
 
@@ -29,6 +38,7 @@ class Lab:
         self.seq = 0
         self.events: list[dict] = []
         self.streams: dict[str, str] = {}  # stdout text per request id
+        self.displays: list[str] = []  # every text/plain shown (status lines updated too)
 
     def request(self, command: str, arguments: dict | None = None, timeout: float = 30):
         self.seq += 1
@@ -66,6 +76,8 @@ class Lab:
             self.events.append(msg["content"])
         elif kind == "stream":
             self.streams[parent] = self.streams.get(parent, "") + msg["content"]["text"]
+        elif kind in ("display_data", "update_display_data"):
+            self.displays.append(msg["content"]["data"].get("text/plain", ""))
 
     def reply(self, msg_id: str, timeout: float = 60) -> dict:
         """The execute_reply of ``msg_id``, reading iopub meanwhile (its output, events)."""
@@ -174,3 +186,51 @@ def test_a_plain_cell_still_pauses_the_kernel(lab):
     lab.request("continue", {"threadId": tid})
     assert lab.reply(msg_id)["status"] == "ok"
     lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+
+
+def test_a_paused_rank_is_said_paused_while_the_others_wait(lab):
+    path = lab.break_at(WAIT_CELL, 5)
+    msg_id = lab.kc.execute(WAIT_CELL)
+    tid = lab.event("stopped", reason="breakpoint")["body"]["threadId"]
+    assert lab.top(tid)["name"] == "rank 0: <module>"
+    deadline = time.monotonic() + 15  # the cell's wait line comes after HANG_AFTER_S
+    while not any("paused in the debugger" in d for d in lab.displays):
+        assert time.monotonic() < deadline, lab.displays
+        lab._read_iopub(0.2)
+    line = next(d for d in lab.displays if "paused in the debugger" in d)
+    assert "rank 0 paused in the debugger; rank 1 in the cell's 1st all_reduce" in line, line
+    assert "not in it" not in line  # rank 0 is away on purpose: no mismatch to report
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+    lab.request("continue", {"threadId": 1})
+    assert lab.reply(msg_id)["status"] == "ok"  # not released, not failed: it only waited
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] sum 3.0" in out and "[rank 1] sum 3.0" in out, out  # 2 + 1
+
+
+def test_ids_route_back_to_their_rank():
+    from infini_notebook.core import dap_ids
+
+    for rank, local in [(0, 1), (1, 7), (63, 999_999)]:
+        shown = dap_ids.to_proxy(rank, local)
+        assert shown >= dap_ids.STRIDE and dap_ids.split(shown) == (rank, local)
+        assert dap_ids.route({"frameId": shown}) == rank
+        assert dap_ids.to_rank({"frameId": shown, "x": 1}) == {"frameId": local, "x": 1}
+    assert dap_ids.split(5) == (None, 5) and dap_ids.route({"threadId": 1}) is None
+    assert dap_ids.to_proxy(3, 0) == 0  # "no children" stays so
+    body = {"threadId": 2, "source": {"path": "/r.py"}, "variables": [{"variablesReference": 4}]}
+    assert dap_ids.from_rank(1, body, {"/r.py": "/k.py"}) == {
+        "threadId": 2_000_000_002,
+        "source": {"path": "/k.py"},
+        "variables": [{"variablesReference": 2_000_000_004}],
+    }
+
+
+def test_the_body_a_dist_cell_sends():
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    from infini_notebook.core.dap_ids import dist_body
+
+    cell = "%%dist --ranks 1\nx = 'a\\'b'\n\ny = 2\n"
+    assert dist_body(TransformerManager().transform_cell(cell)) == "x = 'a\\'b'\n\ny = 2\n"
+    assert dist_body(TransformerManager().transform_cell("%%time\nx = 1\n")) is None
+    assert dist_body("x = 1") is None

@@ -104,16 +104,19 @@ def released_text(
     return "; ".join(clauses) + ": released"
 
 
-def verdict(waits: Mapping[int, Mapping | None], cell: str = "") -> str:
+def verdict(waits: Mapping[int, Mapping | None], cell: str = "", paused=()) -> str:
     """Where every running rank waits, merged by place, with what does not match within a
     group: 'ranks 0-1 in all_reduce (#7 on the tp group); ranks 2-3 in broadcast (#7 on
-    the tp group): mismatch in the tp group [0, 1, 2, 3]'."""
+    the tp group): mismatch in the tp group [0, 1, 2, 3]'. ``paused``: ranks paused in
+    JupyterLab's debugger (kernel/debug_proxy.py), which the others wait for."""
     places: dict[str, list[int]] = {}
     for r, wait in sorted(waits.items()):
         place = f"in {where(wait, cell)}" if wait else "computing (not in a collective)"
+        if r in paused:
+            place = "paused in the debugger"
         places.setdefault(place, []).append(r)
     text = "; ".join(f"{ranks_text(ranks)} {place}" for place, ranks in places.items())
-    problems = mismatches(waits)
+    problems = mismatches({r: w for r, w in waits.items() if r not in paused})  # expected there
     return text + (f": {'; '.join(problems)}" if problems else "")
 
 

@@ -61,6 +61,38 @@ def proxy_of(kernel) -> DebugProxy | None:
     return getattr(getattr(kernel, "debugger", None), "_infini_proxy", None)
 
 
+def paused_now() -> set[int]:
+    """Ranks paused in JupyterLab's debugger now (read from the shell thread: a copy)."""
+    try:
+        from IPython import get_ipython
+
+        proxy = proxy_of(getattr(get_ipython(), "kernel", None))
+    except Exception:  # not in IPython
+        return set()
+    if proxy is None:
+        return set()
+    for _ in range(3):  # the control thread may change the sets while they are read
+        try:
+            return set(proxy.paused_ranks())
+        except RuntimeError:
+            continue
+    return set()
+
+
+def mark_paused(rows: list) -> list:
+    """Status rows: a busy rank paused at a breakpoint says so (its tile, the summary),
+    not 'busy' (the others wait for it in their collectives: not a hang)."""
+    paused = paused_now()
+    if not paused:
+        return rows
+    from dataclasses import replace
+
+    return [
+        replace(r, state="paused") if r.rank in paused and r.state == "busy" else r
+        for r in rows
+    ]
+
+
 class DapConnection:
     """A DAP client over TCP to one rank's debugpy: Content-Length framed JSON, as
     ipykernel's ``DebugpyMessageQueue`` reads it. Runs on the control thread's loop."""

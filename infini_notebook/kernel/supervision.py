@@ -18,7 +18,7 @@ from ..core.ranks import parse_ranks
 from ..core.state import RankState
 from ..engine import rank_services
 from ..launch.engine_sets import exit_description
-from . import left_output
+from . import debug_proxy, left_output
 
 
 def still_stuck(s) -> set[int]:
@@ -179,7 +179,8 @@ def status(s) -> list[RankState]:
 
     running = s.running
     telemetry = s.rendezvous.telemetry(range(s.world_size)) if running else {}
-    return s.book.snapshot(running, liveness(s), still_stuck(s), telemetry, exit_code_of)
+    rows = s.book.snapshot(running, liveness(s), still_stuck(s), telemetry, exit_code_of)
+    return debug_proxy.mark_paused(rows)  # busy, but in JupyterLab's debugger
 
 
 def dead_text(dead: dict[int, str]) -> str:

@@ -22,7 +22,7 @@ from ..core.errors import DistCellError, DistInterrupted
 from ..core.output import left_debugger, main_thread_stack, one_line, remote_traceback
 from ..core.ranks import rank_label
 from ..launch.client import CONTROLLER_GONE
-from . import recovery, supervision
+from . import debug_proxy, recovery, supervision
 from .prompts import Prompts
 from .release import ASK_WAIT_S, end_groups
 
@@ -350,7 +350,8 @@ class CellWatch:
         if not stale and self._handle is None:
             return
         waited = now - self.started
-        text = f"waiting {waited:.0f} s: {waits.verdict(found, self.cell_name)}"
+        paused = debug_proxy.paused_now()  # the others wait for them: not a hang
+        text = f"waiting {waited:.0f} s: {waits.verdict(found, self.cell_name, paused)}"
         self.hang_shown = text
         status = getattr(self.cell.printer, "status", None)  # optional for a user's printer
         if status is not None:

@@ -20,13 +20,15 @@ STATE_COLORS = {
     "idle": "#1f7a3a",
     "busy": "#8a5a00",
     "prompt": "#1f5fa8",  # waiting at an input box for the user (pdb, input())
+    "paused": "#1f5fa8",  # at a breakpoint of JupyterLab's debugger (kernel/debug_proxy.py)
     "failed": "#c0302f",  # raised in its last cell
     "released": "#a34a12",  # freed from a wait on a rank that failed
     "stuck": "#8e44ad",  # ignored an interrupt; busy until the collective timeout
     "died": "#444444",
     "stopped": "#6e6e6e",
 }
-STATE_WORDS = {"prompt": "at a prompt"}  # a state's name as a tile and the summary say it
+# a state's name as a tile and the summary say it
+STATE_WORDS = {"prompt": "at a prompt", "paused": "paused in the debugger"}
 BUSY_SHOWN_AFTER_S = 3  # from then on a busy tile shows for how long
 TILE_MIN_PX = 230  # a tile's least width: its min-width (200 px) with padding and borders
 TILE_PX = 300  # its width where the output has room for a row of the layout
@@ -106,7 +108,7 @@ def status_summary(
     counts: dict[str, int] = {}
     for rs in states:
         counts[rs.state] = counts.get(rs.state, 0) + 1
-    order = ["prompt", "busy", "stuck", "failed", "released", "died", "idle", "stopped"]
+    order = ["prompt", "paused", "busy", "stuck", "failed", "released", "died", "idle", "stopped"]
     order += sorted(s for s in counts if s not in order)  # a state added later still counts
     parts = [f"{counts[s]} {STATE_WORDS.get(s, s)}" for s in order if s in counts]
     template = f" · warm template RSS {format_bytes(template_rss)}" if template_rss else ""
