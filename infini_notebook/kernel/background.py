@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..core.errors import DistCellError, DistUsageError
@@ -51,25 +52,36 @@ class BackgroundCell:
         *,
         printer: Printer,
         where: str | dict | None = None,
+        on_end: Callable | None = None,
         **kw,
     ) -> threading.Thread:
         """``execution.run`` on a thread. Output and errors go to ``printer``; the result to
         ``session.last``. Other cells (and pull, push, bench, restart) are refused until it
-        ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it."""
+        ends; ``stacks`` and ``status`` work beside it, ``interrupt`` stops it. ``on_end(result,
+        error)``, called on the thread as it ends: the cell's CellResult (a failed cell's too)
+        and the exception it ended with, or None (the MCP server's handles, infini_notebook/mcp)."""
         s.require_running()
         self.refuse("%%dist --background")
         targets = execution.resolve_targets(s, ranks, where)  # refuse a bad spec now
         collapse, max_lines = kw.get("collapse", False), kw.get("max_lines")
 
         def work() -> None:
+            result, error, before = None, None, s.last
             try:
-                execution.run(s, code, targets, collapse, max_lines, printer)
+                result = execution.run(s, code, targets, collapse, max_lines, printer)
             except DistCellError as e:
+                # execution.run makes a cell that ran the last before raising its error
+                result, error = (s.last if s.last is not before else None), e
                 printer.err(f"{e.report}DistCellError: {e.summary}\n")
             except DistUsageError as e:
+                error = e
                 printer.err(f"DistUsageError: {e}\n")
             except Exception as e:  # the session stopped under it, say
+                error = e
                 printer.err(f"The background cell ended: {one_line(e)}\n")
+            finally:
+                if on_end is not None:
+                    on_end(result, error)
 
         thread = threading.Thread(target=work, name="infini-background-cell", daemon=True)
         self._running = _Running(thread, targets)

@@ -1,0 +1,48 @@
+"""``python -m infini_notebook.mcp [--http [--host 127.0.0.1] [--port N]]``: the MCP server on
+stdio (what MCP clients start), or on streamable HTTP at http://127.0.0.1:PORT/mcp with a
+token ($INFINI_NOTEBOOK_MCP_TOKEN, else a random one printed to stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m infini_notebook.mcp",
+        description="An MCP server that drives infini_notebook sessions (docs/agents.md).",
+    )
+    parser.add_argument(
+        "--http", action="store_true", help="serve streamable HTTP on loopback, not stdio"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="a loopback address (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    args = parser.parse_args(argv)
+    try:
+        from .server import build
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "mcp":
+            raise
+        sys.exit(
+            "infini_notebook.mcp needs the MCP SDK: pip install 'infini_notebook[mcp]' "
+            "(or pip install 'mcp>=2')."
+        )
+    # SIGTERM (an MCP client ending us) exits as an interrupt does, so the session's stop
+    # (atexit) runs; a kept session is left to its watchdog, as a kernel leaves it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = build()
+    if args.http:
+        import anyio
+
+        from .http import TOKEN_ENV, serve
+
+        anyio.run(serve, server, args.host, args.port, os.environ.get(TOKEN_ENV))
+    else:
+        server.run("stdio")  # the SDK points fd 1 at stderr while it serves on a copy of it
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The MCP server over streamable HTTP: on loopback only, and only for requests that carry
+the server's token (``Authorization: Bearer TOKEN``); anything else gets 401 before the
+SDK's app sees it. Whoever can reach a port on this machine (every local user) could
+otherwise run code on the ranks as you."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import secrets
+import socket
+import sys
+
+TOKEN_ENV = "INFINI_NOTEBOOK_MCP_TOKEN"
+
+
+class TokenGate:
+    """ASGI middleware: HTTP requests without the token are refused (401); the app's
+    lifespan events pass through."""
+
+    def __init__(self, app, token: str):
+        if len(token) < 16:
+            raise ValueError(f"the token must have at least 16 characters ({TOKEN_ENV})")
+        self.app, self._expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and not self._allowed(scope):
+            body = json.dumps(
+                {"error": "unauthorized: send the server's token as 'Authorization: Bearer TOKEN'"}
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        sent = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
+        return len(sent) == 1 and hmac.compare_digest(sent[0], self._expected)
+
+
+def loopback_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host`` (a loopback address) and ``port`` (0: any free one)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is None or not address.is_loopback:
+        raise SystemExit(
+            f"infini_notebook.mcp: --host {host!r} is not a loopback address; the HTTP "
+            "transport listens on loopback only (127.0.0.1 or ::1)."
+        )
+    sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+async def serve(server, host: str, port: int, token: str | None) -> None:
+    """Serve ``server`` (an MCPServer) at http://HOST:PORT/mcp until cancelled. Without a
+    ``token`` one is made and printed to stderr."""
+    import uvicorn
+
+    told = token is not None
+    token = token or secrets.token_urlsafe(32)
+    sock = loopback_socket(host, port)
+    where = sock.getsockname()
+    shown = f"[{where[0]}]" if ":" in where[0] else where[0]
+    app = TokenGate(server.streamable_http_app(host=host), token)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    secret = f"${TOKEN_ENV}" if told else token  # a token of the caller's is not echoed
+    print(
+        f"infini_notebook MCP server: http://{shown}:{where[1]}/mcp "
+        f"(header 'Authorization: Bearer {secret}')",
+        file=sys.stderr,
+        flush=True,
+    )
+    await uvicorn.Server(config).serve(sockets=[sock])

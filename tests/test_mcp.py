@@ -1,0 +1,387 @@
+"""The MCP server (issue 53), driven as an agent's client drives it: the official SDK's own
+client over stdio against ``python -m infini_notebook.mcp``. One server process and one
+2-rank session serve most tests; a notebook kernel's kept session is attached at the end,
+and the HTTP transport is checked for its token."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+from conftest import REPO, fresh_kernel, text_of
+
+mcp = pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'mcp>=2')")
+from anyio.from_thread import start_blocking_portal  # noqa: E402
+from mcp.client.session import ClientSession  # noqa: E402
+from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+
+from infini_notebook.launch.watchdog import MARK  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+TOOLS = {
+    "sessions", "start", "attach", "stop", "run", "wait", "interrupt", "status", "stacks",
+    "restart", "diff", "profile", "pull", "export",
+}  # fmt: skip
+
+
+class Client:
+    """The SDK's ClientSession on its own event loop thread (anyio's blocking portal), called
+    synchronously. Every message the server wrote to stdout must parse as the protocol's:
+    anything else reaches ``message_handler`` as an exception, kept in ``bad``."""
+
+    def __init__(self, *args: str):
+        self.bad: list[BaseException] = []
+        self.errlog = tempfile.TemporaryFile("w+")
+        self._stack = contextlib.ExitStack()
+        self.portal = self._stack.enter_context(start_blocking_portal())
+        params = StdioServerParameters(
+            command=sys.executable, args=["-m", "infini_notebook.mcp", *args],
+            env=dict(os.environ), cwd=REPO,
+        )  # fmt: skip
+        read, write = self._enter(stdio_client(params, errlog=self.errlog))
+        self.session = self._enter(ClientSession(read, write, message_handler=self._message))
+        self.portal.call(self.session.initialize)
+        mine = psutil.Process().children()
+        self.server = next(p for p in mine if "infini_notebook.mcp" in " ".join(p.cmdline()))
+
+    def _enter(self, cm):
+        return self._stack.enter_context(self.portal.wrap_async_context_manager(cm))
+
+    async def _message(self, message) -> None:
+        if isinstance(message, BaseException):
+            self.bad.append(message)
+
+    def call(self, tool: str, /, progress: list | None = None, **arguments):
+        """The tool's result: (structured content, or None for a tool error; its text)."""
+
+        async def note(done, total, message):
+            progress.append((done, total, message))
+
+        call = functools.partial(
+            self.session.call_tool,
+            tool,
+            arguments,
+            progress_callback=note if progress is not None else None,
+        )
+        result = self.portal.call(call)
+        text = "".join(getattr(c, "text", "") for c in result.content)
+        return (None if result.is_error else result.structured_content), text
+
+    def ok(self, tool: str, /, **arguments) -> dict:
+        got, text = self.call(tool, **arguments)
+        assert got is not None, f"{tool} failed: {text}\n{self.stderr()[-3000:]}"
+        return got
+
+    def stderr(self) -> str:
+        self.errlog.seek(0)
+        return self.errlog.read()
+
+    def close(self) -> None:
+        self._stack.close()
+        self.errlog.close()
+
+
+def session_processes(folder: str) -> list[psutil.Process]:
+    """Every live process of the session in ``folder``: the marked ones and its watchdog."""
+    profile = os.path.join(folder, "profile")
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def gone(pids: list[int], folder: str, timeout: float = 10.0) -> list:
+    """What is left of a session after ``timeout`` s: its rank pids alive, its processes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and not _zombie(p)]
+        left = alive + [p.pid for p in session_processes(folder)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = Client()
+    yield c
+    with contextlib.suppress(Exception):
+        c.call("stop")
+    c.close()
+    assert not c.bad, c.bad  # nothing but the protocol on the server's stdout
+    with contextlib.suppress(psutil.NoSuchProcess):  # reaped already: gone
+        c.server.wait(10)  # psutil.TimeoutExpired: the server outlived its stdin
+
+
+@pytest.fixture(scope="module")
+def started(client):
+    """The module's session, started through the tool (2 CPU ranks), and its progress."""
+    progress: list = []
+    got, text = client.call("start", progress=progress, nprocs=2, timeout=30)
+    assert got is not None, text + client.stderr()[-3000:]
+    return got, progress
+
+
+def test_the_tools_are_listed_with_their_schemas(client):
+    tools = {t.name: t for t in client.portal.call(client.session.list_tools).tools}
+    assert set(tools) == TOOLS
+    run = tools["run"]
+    assert run.input_schema["required"] == ["code"]
+    assert set(run.input_schema["properties"]) == {"code", "ranks", "where", "timeout"}
+    assert {"outputs", "root_cause", "handle", "state"} <= set(run.output_schema["properties"])
+    # start takes %dist_start's options, each described by its flag's help
+    start = tools["start"].input_schema["properties"]
+    assert {"nprocs", "gpus", "tp", "dp", "timeout", "name", "keep"} <= set(start)
+    assert "CPU ranks" in start["nprocs"]["description"]
+    assert "ctx" not in start
+
+
+def test_start_gives_two_ranks_and_reports_progress(started):
+    got, progress = started
+    assert got["world_size"] == 2 and got["backend"] == "gloo"
+    assert got["message"].startswith("2 ranks ready (dp 2; gloo;"), got["message"]
+    assert [r["rank"] for r in got["ranks"]] == [0, 1]
+    assert all(psutil.pid_exists(r["pid"]) for r in got["ranks"])
+    assert progress, "no progress notification while the ranks started"
+
+
+def test_run_returns_each_ranks_output_and_value(client, started):
+    got = client.ok("run", code="print('hello from', rank)\nrank * 10 + world_size")
+    assert got["state"] == "ok" and got["root_cause"] is None
+    for r, out in enumerate(got["outputs"]):
+        assert out["rank"] == r and out["stdout"] == f"hello from {r}\n"
+        assert out["result"] == str(r * 10 + 2) and out["error"] is None
+    one = client.ok("run", code="print(rank)", ranks="1")
+    assert [o["rank"] for o in one["outputs"]] == [1] and one["outputs"][0]["stdout"] == "1\n"
+
+
+def test_a_failing_cell_names_its_root_cause(client, started):
+    got = client.ok("run", code="print('before', rank)\nif rank == 1:\n    1 / 0\nrank")
+    assert got["state"] == "failed"
+    assert got["root_cause"] == "rank 1: ZeroDivisionError: division by zero (rank 0 finished)"
+    zero, one = got["outputs"]
+    assert zero["stdout"] == "before 0\n" and zero["error"] is None and zero["result"] == "0"
+    assert one["stdout"] == "before 1\n" and one["error"].startswith("ZeroDivisionError")
+    assert "1 / 0" in got["tracebacks"] and "[rank 1]" in got["tracebacks"]
+    # usage errors are tool errors of one line
+    got, text = client.call("run", code="1", ranks="5")
+    assert got is None and "\n" not in text.strip() and "5" in text, text
+
+
+def test_a_hung_collective_is_seen_in_stacks_and_interrupted(client, started):
+    code = "import time\nif rank == 1:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))"
+    got = client.ok("run", code=code, timeout=1.5)
+    assert got["state"] == "running" and got["handle"], got
+    handle = got["handle"]
+    deadline = time.monotonic() + 15
+    while True:  # until rank 0 is inside all_reduce (it may take a moment on a busy host)
+        stacks = client.ok("stacks")
+        if stacks["waiting"] == [0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert stacks["waiting"] == [0], stacks
+    zero, one = stacks["ranks"]
+    assert zero["busy"] and "all_reduce" in zero["waiting_in"], zero
+    assert one["busy"] and one["waiting_in"] is None and "line 3" in one["stack"], one
+    assert "rank 0 in" in stacks["verdict"] and "rank 1 computing" in stacks["verdict"]
+    # a second cell is refused while this one runs, naming its handle
+    _, text = client.call("run", code="1")
+    assert handle in text and "interrupt" in text, text
+
+    t0 = time.monotonic()
+    got = client.ok("interrupt", handle=handle, timeout=30)
+    assert sorted(got["signalled"]) == [0, 1]
+    cell = got["cell"]
+    assert cell["state"] == "failed" and "KeyboardInterrupt" in cell["root_cause"], cell
+    assert time.monotonic() - t0 < 20
+    # the groups were rebuilt: the next collective works on both ranks
+    got = client.ok("run", code="t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert [o["result"] for o in got["outputs"]] == ["2.0", "2.0"], got
+
+
+def test_a_cell_past_its_timeout_gives_a_handle_to_wait_on(client, started):
+    got = client.ok("run", code="import time\ntime.sleep(2.5)\nprint('done', rank)", timeout=0.3)
+    assert got["state"] == "running"
+    status = client.ok("status")
+    assert status["running"] == got["handle"]
+    assert [r["state"] for r in status["ranks"]] == ["busy", "busy"]
+    progress: list = []
+    done, _ = client.call("wait", progress=progress, handle=got["handle"], timeout=30)
+    assert done["state"] == "ok" and done["handle"] == got["handle"]
+    assert [o["stdout"] for o in done["outputs"]] == ["done 0\n", "done 1\n"]
+    assert done["elapsed_s"] >= 2.5
+    assert progress and all(b >= a for (a, _, _), (b, _, _) in zip(progress, progress[1:]))
+    assert client.ok("status")["running"] is None
+    _, text = client.call("wait", handle="c999")
+    assert "No cell has handle 'c999'" in text
+
+
+def test_pull_diff_and_export(client, started, tmp_path):
+    client.ok("run", code="w = torch.full((3, 2), float(rank))\nsame = torch.arange(4)")
+    import torch
+
+    pulled = client.ok("pull", name="w")["values"]
+    for r, v in enumerate(pulled):
+        assert v["shape"] == [3, 2] and v["dtype"] == "torch.float32"
+        assert v["nbytes"] == 3 * 2 * 4 and v["type"] == "torch.Tensor"
+        assert v["repr"] == repr(torch.full((3, 2), float(r))) and not v["truncated"]
+    cut = client.ok("pull", name="list(range(1000))", ranks="0", max_chars=50)["values"]
+    assert cut[0]["truncated"] and len(cut[0]["repr"]) == 50
+    _, text = client.call("pull", name="nothing_here")
+    assert "nothing_here" in text and "not defined" in text
+    differs = client.ok("diff", name="w", group="world")
+    assert differs["rows"] and differs["rows"][0]["max_abs_diff"] == 1.0, differs
+    assert client.ok("diff", name="same", group="world")["rows"] == []
+    # a soft restart rebuilds the groups and keeps the variables
+    said = client.ok("restart")["message"]
+    assert said.startswith("Restarted (process groups rebuilt, variables kept)"), said
+    after = client.ok("run", code="dist.all_reduce(w)\nw.sum().item()")
+    assert [o["result"] for o in after["outputs"]] == [str(6 * (0.0 + 1.0))] * 2
+    # the script holds the cells that ran, the failed one as comments only
+    path = tmp_path / "train.py"
+    got = client.ok("export", path=str(path))
+    script = path.read_text()
+    assert "\nw = torch.full((3, 2), float(rank))\n" in script and got["world_size"] == 2
+    failed = [line for line in script.splitlines() if "1 / 0" in line]
+    assert failed and all(line.startswith("#") for line in failed), failed
+    assert any("failed" in why for why in got["skipped"]), got["skipped"]
+    assert "Run it with: torchrun --nproc_per_node 2" in got["summary"]
+    _, text = client.call("export", path=str(path))
+    assert "exists" in text and "force" in text
+
+
+def test_profile_names_the_rank_that_arrived_last(client, started, tmp_path):
+    # rank 1 reaches the all_reduce 0.4 s after rank 0: rank 0 waits about that long
+    code = "import time\nif rank == 1:\n    time.sleep(0.4)\ndist.all_reduce(torch.ones(1))"
+    got = client.ok("profile", code=code, out=str(tmp_path / "prof"))
+    assert got["state"] == "ok" and got["verdict"].startswith("rank 1 arrived last"), got
+    zero, one = got["ranks"]
+    assert 0.8 * 400 <= zero["wait_ms"] <= zero["wall_ms"] and one["wait_ms"] < 50, got["ranks"]
+    assert got["collectives"][0]["last_rank"] == 1
+    with open(got["trace"]) as f:
+        events = json.load(f)["traceEvents"]
+    assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
+
+
+def test_stop_leaves_no_process(client, started):
+    status = client.ok("status")
+    pids, folder = [r["pid"] for r in status["ranks"]], status["folder"]
+    assert session_processes(folder)  # the oracle sees the session before the stop
+    got = client.ok("stop")
+    assert sorted(got["pids"]) == sorted(pids)
+    assert gone(pids, folder) == []
+    assert not os.path.exists(folder)
+    _, text = client.call("status")
+    assert "No session is running" in text and "start" in text
+
+
+def test_attach_a_kept_session_a_notebook_started(client, started):
+    name = f"mcp-{secrets.token_hex(3)}"
+    client.call("stop")  # one session per server: the module's is ended (if still running)
+    with fresh_kernel() as cells, _ended_by_name(client, name):
+        cells.run(f"%dist_start --nprocs 2 --name {name} --keep 2m", timeout=180)
+        cells.run("%%dist\nsecret = 40 + rank")
+        folder = text_of(cells.run("print(dist_session.folder.path)")).strip()
+        kernel = cells.kernel_pid
+        listed = {s["name"]: s for s in client.ok("sessions")["sessions"]}
+        assert listed[name]["driver"] == f"kernel pid {kernel}" and listed[name]["ranks"] == 2
+        _, refused = client.call("attach", name=name)
+        assert f"kernel pid {kernel}" in refused and "force" in refused, refused
+        got = client.ok("attach", name=name, force=True)
+        assert got["name"] == name and f"taken over from kernel pid {kernel}" in got["message"]
+        ran = client.ok("run", code="secret")
+        assert [o["result"] for o in ran["outputs"]] == ["40", "41"]
+        # the notebook is told, and its next cell does not run
+        lost = text_of(cells.run("%%dist\nprint(secret)", allow_error=True))
+        assert "no longer drives" in lost, lost
+        pids = [r["pid"] for r in got["ranks"]]
+        assert client.ok("stop")["pids"] == pids
+        assert gone(pids, folder) == []
+        assert name not in {s["name"] for s in client.ok("sessions")["sessions"]}
+
+
+@contextlib.contextmanager
+def _ended_by_name(client, name: str):
+    """A kept session a failed test left is ended now, not at the end of its keep time."""
+    try:
+        yield
+    finally:
+        if name in {s["name"] for s in (client.call("sessions")[0] or {}).get("sessions", [])}:
+            client.call("stop", name=name)
+
+
+def test_http_listens_on_loopback_only():
+    from infini_notebook.mcp.http import loopback_socket
+
+    for host in ("0.0.0.0", "192.0.2.1", "localhost.example"):
+        with pytest.raises(SystemExit, match="loopback only"):
+            loopback_socket(host, 0)
+    sock = loopback_socket("127.0.0.1", 0)
+    assert sock.getsockname()[0] == "127.0.0.1"
+    sock.close()
+
+
+async def _tools_over_http(url: str, token: str) -> set[str]:
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with httpx2.AsyncClient(headers={"authorization": f"Bearer {token}"}) as http:
+        async with streamable_http_client(url, http_client=http) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return {t.name for t in (await session.list_tools()).tools}
+
+
+def test_http_transport_refuses_requests_without_the_token():
+    import anyio
+    import httpx2
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infini_notebook.mcp", "--http"],
+        cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()
+        found = re.search(
+            r"(http://127\.0\.0\.1:\d+/mcp) \(header 'Authorization: Bearer (\S+)'\)", line
+        )
+        assert found, line
+        url, token = found.groups()
+        init = {
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "test", "version": "0"}},
+        }  # fmt: skip
+        headers = {"accept": "application/json, text/event-stream"}
+        for bad in ({}, {"authorization": "Bearer nope"}, {"authorization": token}):
+            refused = httpx2.post(url, json=init, headers={**headers, **bad}, timeout=10)
+            assert refused.status_code == 401, refused.text
+            assert "token" in refused.json()["error"]
+        assert anyio.run(_tools_over_http, url, token) == TOOLS  # the SDK's client, with it
+    finally:
+        proc.terminate()
+        proc.wait(10)
