@@ -241,6 +241,19 @@ def test_stop_releases_the_ranks_waiting_for_the_interrupted_one(kernel):
     assert all(f"[rank {r}] 4.0 {10 * r}" in out for r in range(4)), out
 
 
+def test_stop_names_only_the_ranks_it_stopped(kernel):
+    """Ranks that had finished the cell before Stop was pressed were said 'stopped' too
+    ('ranks 1-3 stopped' where only rank 1 still ran)."""
+    use_session(kernel, FAULTS)
+    press_stop_after(kernel, 1)
+    cell = kernel.run(
+        "%%dist\nimport time\nprint('done')\nif rank == 2:\n    time.sleep(30)", allow_error=True
+    )
+    assert all(f"[rank {r}] done" in text_of(cell) for r in range(4))  # before Stop
+    said = whole_message(cell)
+    assert said.startswith("cell interrupted; rank 2 stopped. The session is ready"), said
+
+
 def test_a_rank_that_ignores_stop_is_said_stuck_in_one_line(kernel):
     """A rank that blocks SIGINT (as native code ignores it) cannot be stopped or
     released: one line says so and what to do; its stack is %dist_stacks' to show."""
@@ -253,7 +266,8 @@ def test_a_rank_that_ignores_stop_is_said_stuck_in_one_line(kernel):
         allow_error=True,
     )
     said = whole_message(cell)
-    assert "cell interrupted; ranks 0,2-3 stopped; rank 1 ignored SIGINT for 3 s" in said, said
+    # ranks 0, 2 and 3 had finished (nothing to run): not said stopped
+    assert "cell interrupted; rank 1 ignored SIGINT for 3 s" in said, said
     assert "%dist_stacks shows where" in said and "%dist_restart --hard" in said, said
     assert "stack:" not in text_of(cell)
     refused = text_of(kernel.run("%%dist --ranks 1\nprint('next')", allow_error=True))

@@ -58,6 +58,7 @@ class CellWatch:
         self.let_go: set[int] = set()  # waiting ranks told to let go (gloo: close; NCCL: abort)
         self.shown_live: set[int] = set()  # ranks whose traceback was printed as it came
         self.interrupting = False  # the Stop button was pressed
+        self.interrupted: set[int] = set()  # the ranks still in the cell when it was
         self.unshown: dict[int, float] = {}  # failed ranks -> when, until shown live
         self.seen: dict[int, tuple] = {}  # rank -> (its wait, first seen) for confirmation
         self.found: dict[int, dict | None] = {}  # the latest answers: rank -> its wait
@@ -159,7 +160,7 @@ class CellWatch:
         line; their stacks are %dist_stacks' to show."""
         s, cell = self.s, self.cell
         running = {r for r in cell.targets if not cell.done(r)}
-        self.interrupting = True
+        self.interrupting, self.interrupted = True, set(running)
         supervision.send_signal(s, signal.SIGINT, sorted(running))
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         while running and time.monotonic() < deadline:
@@ -180,8 +181,11 @@ class CellWatch:
         """The interrupted cell's one line: who stopped, who was released from a wait on
         them (their groups rebuilt now, variables kept), who is stuck and what to do."""
         s, targets = self.s, self.cell.targets
-        stopped = [r for r in targets if r not in self.released and r not in stuck]
-        parts = [f"cell interrupted; {rank_label(stopped)[1:-1]} stopped"] if stopped else []
+        # a rank that had finished before Stop was not stopped: it is not named
+        stopped = [
+            r for r in targets if r in self.interrupted and r not in {*self.released, *stuck}
+        ]
+        parts = ["cell interrupted" + (f"; {rank_label(stopped)[1:-1]} stopped" if stopped else "")]
         if self.released:
             parts.append(self.released_text())
         if stuck:
