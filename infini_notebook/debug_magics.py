@@ -43,6 +43,20 @@ class DebugMagics(Magics):
         _session().post_mortem(code, ranks)
 
     @magic_arguments()
+    @argument("--rank", "-r", type=int, default=0, help="the rank to attach to")
+    @line_magic
+    def dist_debugpy(self, line: str):
+        """A VS Code "attach" configuration (launch.json) for one rank: debugpy listens on
+        loopback on that rank (an ssh tunnel reaches a rank on another host). One client
+        at a time: JupyterLab's debugger, while on, holds every rank's."""
+        import json
+
+        from .kernel.debug_proxy import attach_config
+
+        rank = parse_argstring(self.dist_debugpy, line).rank
+        print(json.dumps(attach_config(_session(), rank), indent=2))
+
+    @magic_arguments()
     @argument("name", help="a tensor, module, optimizer, state dict or container on each rank")
     @argument(
         "--group",

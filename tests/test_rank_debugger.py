@@ -12,6 +12,7 @@ import time
 import pytest
 from jupyter_client import BlockingKernelClient
 
+from tests.conftest import REPO as REPO_ROOT
 from tests.conftest import use_session
 
 # x is the rank; y, z depend on it: what each rank's frame shows is checked against this
@@ -234,3 +235,26 @@ def test_the_body_a_dist_cell_sends():
     assert dist_body(TransformerManager().transform_cell(cell)) == "x = 'a\\'b'\n\ny = 2\n"
     assert dist_body(TransformerManager().transform_cell("%%time\nx = 1\n")) is None
     assert dist_body("x = 1") is None
+
+
+def test_dist_debugpy_prints_an_attach_configuration_for_one_rank(kernel, lab):
+    import json
+
+    import psutil
+
+    from tests.conftest import text_of
+
+    config = json.loads(text_of(kernel.run("%dist_debugpy --rank 1")))
+    assert config["request"] == "attach" and config["name"] == "rank 1"
+    assert config["connect"]["host"] == "127.0.0.1"
+    # the port is a debugpy adapter's, and rank 0's is another
+    listeners = {
+        c.laddr.port: c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid
+    }
+    adapter = psutil.Process(listeners[config["connect"]["port"]]).cmdline()
+    assert "debugpy/adapter" in " ".join(adapter), adapter
+    other = json.loads(text_of(kernel.run("%dist_debugpy --rank 0")))
+    assert other["connect"]["port"] != config["connect"]["port"]
+    assert config["pathMappings"][0]["remoteRoot"] == REPO_ROOT

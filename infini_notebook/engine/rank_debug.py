@@ -33,6 +33,7 @@ def listen() -> dict:
         "host": host,
         "port": int(port),
         "pid": os.getpid(),
+        "cwd": os.getcwd(),
         "prefix": get_tmp_directory() + os.sep,
         "main_thread": threading.main_thread().name,
     }

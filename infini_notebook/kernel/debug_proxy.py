@@ -88,8 +88,7 @@ def mark_paused(rows: list) -> list:
     from dataclasses import replace
 
     return [
-        replace(r, state="paused") if r.rank in paused and r.state == "busy" else r
-        for r in rows
+        replace(r, state="paused") if r.rank in paused and r.state == "busy" else r for r in rows
     ]
 
 
@@ -466,6 +465,30 @@ class DebugProxy:
                     pass
             link.conn.close()
         self.links.clear()
+
+
+def attach_config(session, rank: int) -> dict:
+    """A VS Code "attach" configuration for one rank's debugpy (started there now if it is
+    not yet): ``%dist_debugpy --rank 1``. Modules map from the kernel's folder to the
+    rank's; a cell compiles to the rank's own temporary file, which the editor opens as
+    debugpy shows it."""
+    if not 0 <= rank < session.world_size:
+        from ..core.errors import DistUsageError
+
+        raise DistUsageError(f"No rank {rank}: the session has ranks 0-{session.world_size - 1}.")
+    info = _listen_on(session, [rank])[rank]
+    if isinstance(info, str):
+        from ..core.errors import DistUsageError
+
+        raise DistUsageError(f"rank {rank} did not start debugpy ({info}); is it in a cell?")
+    return {
+        "name": f"rank {rank}",
+        "type": "debugpy",
+        "request": "attach",
+        "connect": {"host": info["host"], "port": info["port"]},
+        "pathMappings": [{"localRoot": os.getcwd(), "remoteRoot": info["cwd"]}],
+        "justMyCode": True,
+    }
 
 
 def _response(message: dict, success: bool = True, body: dict | None = None, text: str = ""):
