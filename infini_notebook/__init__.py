@@ -46,7 +46,7 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(LayoutMagics)
     from .kernel import debug_proxy
 
-    debug_proxy.install(getattr(ipython, "kernel", None))  # JupyterLab's debugger on ranks
+    debug_proxy.install(getattr(ipython, "kernel", None), current)  # JupyterLab's debugger on ranks
     if current() is None:
         from .launch.prewarm import warm
 

@@ -43,15 +43,16 @@ _ROUTED = frozenset(
 _RELAYED_EVENTS = frozenset({"stopped", "continued", "output"})
 
 
-def install(kernel) -> bool:
+def install(kernel, current) -> bool:
     """Wrap the kernel's debugger (once); False where the kernel has none (no debugpy,
-    or not an ipykernel kernel)."""
+    or not an ipykernel kernel). ``current()``: the running session or None (passed in:
+    the session's modules import this one)."""
     debugger = getattr(kernel, "debugger", None)
     if debugger is None or not hasattr(debugger, "process_request"):
         return False
     if isinstance(getattr(debugger, "_infini_proxy", None), DebugProxy):
         return True
-    proxy = DebugProxy(kernel, debugger)
+    proxy = DebugProxy(kernel, debugger, current)
     debugger._infini_proxy = proxy
     debugger.process_request = proxy.process_request  # the instance's, not the class's
     return True
@@ -177,8 +178,8 @@ class RankLink:
 class DebugProxy:
     """Routes JupyterLab's debug requests: the kernel's to ipykernel, a rank's to it."""
 
-    def __init__(self, kernel, debugger):
-        self.kernel, self.debugger = kernel, debugger
+    def __init__(self, kernel, debugger, current):
+        self.kernel, self.debugger, self.current = kernel, debugger, current
         self.original = debugger.process_request
         self.links: dict[int, RankLink] = {}
         self.cells: dict[str, str] = {}  # dumpCell's path -> the cell's code
@@ -333,9 +334,7 @@ class DebugProxy:
         is not attached: the session may have started, or restarted, since."""
         if not self.attached:
             return
-        from .. import cluster
-
-        session = cluster.current()
+        session = self.current()
         if session is None:
             return
         for rank, link in list(self.links.items()):
@@ -395,7 +394,12 @@ class DebugProxy:
             target = link.files.get(path)
             if target is None:
                 loop = asyncio.get_running_loop()
-                target = await loop.run_in_executor(None, _write_cell_file, link.rank, body, code)
+                session = self.current()
+                if session is None:
+                    return
+                target = await loop.run_in_executor(
+                    None, _write_cell_file, session, link.rank, body, code
+                )
                 if target is None:
                     return
                 link.files[path], link.paths[target] = target, path
@@ -536,13 +540,9 @@ def _listen_on(session, ranks: list[int]) -> dict:
     return _apply(session, ranks, rank_debug.listen)
 
 
-def _write_cell_file(rank: int, body: str, code: str) -> str | None:
-    from .. import cluster
+def _write_cell_file(session, rank: int, body: str, code: str) -> str | None:
     from ..engine import rank_debug
 
-    session = cluster.current()
-    if session is None:
-        return None
     out = _apply(session, [rank], rank_debug.cell_file, body, code)[rank]
     return None if isinstance(out, str) and not out.startswith("/") else out
 
