@@ -49,11 +49,12 @@ class Client:
             command=sys.executable, args=["-m", "infini_notebook.mcp", *args],
             env=dict(os.environ), cwd=REPO,
         )  # fmt: skip
+        before = {p.pid for p in psutil.Process().children()}
         read, write = self._enter(stdio_client(params, errlog=self.errlog))
         self.session = self._enter(ClientSession(read, write, message_handler=self._message))
         self.portal.call(self.session.initialize)
-        mine = psutil.Process().children()
-        self.server = next(p for p in mine if "infini_notebook.mcp" in " ".join(p.cmdline()))
+        new = [p for p in psutil.Process().children() if p.pid not in before]
+        self.server = next(p for p in new if "infini_notebook.mcp" in " ".join(p.cmdline()))
 
     def _enter(self, cm):
         return self._stack.enter_context(self.portal.wrap_async_context_manager(cm))
@@ -322,6 +323,20 @@ def test_attach_a_kept_session_a_notebook_started(client, started):
         assert client.ok("stop")["pids"] == pids
         assert gone(pids, folder) == []
         assert name not in {s["name"] for s in client.ok("sessions")["sessions"]}
+
+
+def test_a_session_ends_with_the_server_that_started_it():
+    """The client goes without a stop (an agent closed): the server's session ends with it,
+    as a notebook's ends with its kernel."""
+    other = Client()
+    try:
+        got = other.ok("start", nprocs=1)
+        pids, folder = [r["pid"] for r in got["ranks"]], got["folder"]
+        assert session_processes(folder)
+    finally:
+        other.close()
+    assert not other.server.is_running() or other.server.status() == psutil.STATUS_ZOMBIE
+    assert gone(pids, folder) == []
 
 
 @contextlib.contextmanager
