@@ -241,6 +241,24 @@ def test_stop_releases_the_ranks_waiting_for_the_interrupted_one(kernel):
     assert all(f"[rank {r}] 4.0 {10 * r}" in out for r in range(4)), out
 
 
+def test_stop_pressed_twice_quickly_acts_once(kernel):
+    """A second Stop 0.1 s after the first landed while the first released the waiting
+    ranks: a raw KeyboardInterrupt through the library's frames, the groups left half
+    rebuilt, the next cell failed on a rank with TaskAborted."""
+    use_session(kernel, FAULTS)
+    press_stop_after(kernel, 1)
+    press_stop_after(kernel, 1.1)
+    cell = kernel.run(
+        "%%dist\nimport time\nif rank == 2:\n    time.sleep(30)\ndist.all_reduce(torch.ones(1))",
+        allow_error=True,
+    )
+    said = whole_message(cell)
+    assert said.startswith("cell interrupted; rank 2 stopped; ranks 0-1,3 were waiting"), said
+    assert "watch.py" not in error_text(cell)
+    out = text_of(kernel.run("%%dist\ny = torch.ones(1); dist.all_reduce(y); print(y.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+
+
 def test_stop_names_only_the_ranks_it_stopped(kernel):
     """Ranks that had finished the cell before Stop was pressed were said 'stopped' too
     ('ranks 1-3 stopped' where only rank 1 still ran)."""

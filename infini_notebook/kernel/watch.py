@@ -13,8 +13,10 @@ result after. The pure part
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import threading
 import time
 
 from ..core import waits
@@ -40,6 +42,22 @@ HANG_POLL_S = 1.0
 RELEASE_GRACE_S = 3.0  # a released rank still waiting after this is given up as stuck
 RELEASE_GIVE_UP_S = 30.0  # ... and one out of its wait but still in its cell, after this
 LIVE_HOLD_S = 0.2  # a failure shown live once the others have not followed it this long
+
+
+@contextlib.contextmanager
+def stop_pressed_again_ignored():
+    """Stop pressed again while the first press is carried out (ranks signalled, their
+    waits released, the groups rebuilt) asks for the same: its KeyboardInterrupt cut that
+    short, a library traceback shown and the groups left half rebuilt (the next cell
+    failed with TaskAborted). SIGINT reaches only the main thread's handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 class CellWatch:
@@ -79,23 +97,26 @@ class CellWatch:
         prompts = Prompts(s, cell, on_answer=self.human_answered)
         s.book.set_busy(cell.targets, True)
         stuck = None
-        try:
-            self._follow(prompts)
-        except KeyboardInterrupt:
-            if s.keeper.keeps and kernel_shuts_down(SHUTDOWN_GRACE_S):
-                raise DistInterrupted(
-                    f"The kernel shuts down: the cell goes on in kept session "
-                    f"{s.keeper.name!r} (%dist_attach {s.keeper.name} from the next kernel).",
-                    ranks=[],
-                ) from None
-            stuck = self.interrupt()
-            cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
-        finally:
-            s.book.set_busy(cell.targets, False)
-            cell.detach()
-            s.rendezvous.drop_unread_answers()
-        if stuck is not None:  # the ranks are out of the cell (but ``stuck``): rebuild
-            raise DistInterrupted(self._after_interrupt(stuck), ranks=stuck) from None
+        with contextlib.ExitStack() as stopping:
+            try:
+                self._follow(prompts)
+            except KeyboardInterrupt:
+                if s.keeper.keeps and kernel_shuts_down(SHUTDOWN_GRACE_S):
+                    raise DistInterrupted(
+                        f"The kernel shuts down: the cell goes on in kept session "
+                        f"{s.keeper.name!r} (%dist_attach {s.keeper.name} from the next "
+                        "kernel).",
+                        ranks=[],
+                    ) from None
+                stopping.enter_context(stop_pressed_again_ignored())
+                stuck = self.interrupt()
+                cell.wait_for_trailing_output()  # else a late idle re-creates a purged record
+            finally:
+                s.book.set_busy(cell.targets, False)
+                cell.detach()
+                s.rendezvous.drop_unread_answers()
+            if stuck is not None:  # the ranks are out of the cell (but ``stuck``): rebuild
+                raise DistInterrupted(self._after_interrupt(stuck), ranks=stuck) from None
 
     def _follow(self, prompts: Prompts) -> None:
         """The loop: until no rank of the cell is left running."""
