@@ -197,10 +197,13 @@ class Driver:
             summary = f"Cell {cell.handle} had ended already; nothing was interrupted."
             return R.InterruptResult(signalled=[], summary=summary, cell=self._result(cell))
         signalled = s.interrupt(ranks)
-        if not signalled:
-            return R.InterruptResult(signalled=[], summary="No cell is running.")
-        summary = f"Sent SIGINT to {rank_label(signalled)[1:-1]}."
-        if cell is None:  # a cell an earlier kernel left running (a kept session)
+        if signalled:
+            summary = f"Sent SIGINT to {rank_label(signalled)[1:-1]}."
+        elif cell is not None:  # its ranks left it meanwhile: it is ending by itself
+            summary = f"Cell {cell.handle} was ending; nothing was signalled."
+        else:
+            summary = "No cell is running."
+        if cell is None:  # none, or a cell an earlier kernel left running (a kept session)
             return R.InterruptResult(signalled=signalled, summary=summary)
         return R.InterruptResult(
             signalled=signalled, summary=summary, cell=self._follow(cell, timeout, progress)
