@@ -6,6 +6,7 @@ ones JupyterLab 4's debugger service sends (@jupyterlab/debugger, service.ts).""
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 
@@ -206,6 +207,38 @@ def test_a_paused_rank_is_said_paused_while_the_others_wait(lab):
     assert lab.reply(msg_id)["status"] == "ok"  # not released, not failed: it only waited
     out = lab.streams.get(msg_id, "")
     assert "[rank 0] sum 3.0" in out and "[rank 1] sum 3.0" in out, out  # 2 + 1
+
+
+# a module the ranks import: line 3 is ``b = a + 1``, reached in each rank's call
+MODULE = "def scaled(rank):\n    a = rank * 3\n    b = a + 1\n    return b * 2\n"
+
+
+def test_breakpoint_in_a_module_the_ranks_import(lab, tmp_path):
+    folder = os.path.realpath(tmp_path)
+    name = f"dbg_mod_{os.getpid()}"  # not imported before on any rank
+    path = os.path.join(folder, f"{name}.py")
+    with open(path, "w") as f:
+        f.write(MODULE)
+    bp = {"breakpoints": [{"line": 3}], "source": {"path": path}, "sourceModified": False}
+    assert lab.request("setBreakpoints", bp)["success"]
+    assert lab.request("configurationDone")["success"]
+    cell = f"%%dist\nimport sys\nsys.path.insert(0, {folder!r})\nimport {name}\n"
+    cell += f"print('got', rank, {name}.scaled(rank))\n"
+    msg_id = lab.kc.execute(cell)
+    stops = [lab.event("stopped", reason="breakpoint")["body"]["threadId"] for _ in range(2)]
+    threads = {t["id"]: t["name"] for t in lab.request("threads")["body"]["threads"]}
+    assert sorted(threads[t] for t in stops) == ["rank 0", "rank 1"], threads
+    for tid in stops:
+        r = int(threads[tid].split()[1])
+        frame = lab.top(tid)
+        assert frame["line"] == 3 and frame["source"]["path"] == path, frame
+        assert frame["name"] == f"rank {r}: scaled"
+        assert lab.locals(frame["id"]) == {"rank": str(r), "a": str(3 * r)}  # b not yet set
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+    assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] got 0 2" in out and "[rank 1] got 1 8" in out, out  # (3r + 1) * 2
 
 
 def test_ids_route_back_to_their_rank():
