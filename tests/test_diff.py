@@ -70,6 +70,40 @@ def test_nan_on_one_rank_is_reported(kernel, four):
     rows = text_of(kernel.run("print(d.to_dict('records'))"))
     assert "'leaf': 'x', 'ranks': 'rank 2', 'compared_with': '-'" in rows, rows  # named
     assert "'what': 'NaN present'" in rows, rows
+    # and its values differ from rank 0's: where one holds a NaN, by NaN
+    assert "'compared_with': 'rank 0', 'max_abs_diff': nan, 'what': 'values differ'" in rows
+
+
+def test_a_nan_does_not_hide_values_that_differ(kernel, four):
+    """A tensor holding NaN was only said 'NaN present': rank 3's other elements differing
+    from rank 1's went unsaid. The NaN both hold at one place is no difference there."""
+    kernel.run("%%dist\nz = torch.tensor([1.0, float('nan'), 3.0])\nif rank == 3:\n    z[2] = 3.5")
+    kernel.run("d = %dist_diff z")
+    got = text_of(kernel.run("print(sorted((r, w, str(m)) for r, w, m in zip(d.ranks, d.what, "
+                             "d.max_abs_diff)))"))  # fmt: skip
+    z1, z3 = (dist_pull_value(kernel, "z", r) for r in (1, 3))
+    import torch
+
+    oracle = float((z3 - z1).abs().nan_to_num(0).max())  # NaN on both at [1]
+    assert oracle == 0.5
+    assert f"('rank 3', 'values differ', '{oracle}')" in got, got
+    assert "('ranks 0,2', 'NaN present', 'nan')" in got, got
+    assert "('ranks 1,3', 'NaN present', 'nan')" in got, got
+    assert torch.equal(z1.isnan(), z3.isnan())
+
+
+def dist_pull_value(kernel, name: str, rank: int):
+    """``name`` on ``rank``, pulled into the test through a pickle file."""
+    import pickle
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
+        kernel.run(
+            f"import pickle\nwith open({f.name!r}, 'wb') as _f:\n"
+            f"    pickle.dump(dist_session.pull({name!r}, ranks=[{rank}]), _f)"
+        )
+        got = pickle.load(open(f.name, "rb"))
+    return got[rank]
 
 
 def test_missing_names_and_plain_values(kernel, four):

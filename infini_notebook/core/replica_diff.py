@@ -74,6 +74,10 @@ def compare(leaves: dict[int, dict[str, dict]], groups: list[list[int]], kind: s
             if first is not None:
                 _count(out, path, first)
             if row is None and first["kind"] in MEASURED:
+                # NaN or Inf is wrong on its own, and the values are still compared: a NaN
+                # row alone hid a replica whose other elements differ
+                if bad := _nonfinite(name, path, found):
+                    out.rows.append(bad)
                 against, how = _references(found, name, first_copy.setdefault(path, {}))
                 if how:
                     _note(out.dtensors, path, how, bool(against))
@@ -102,8 +106,8 @@ def _count(out: Comparison, path: str, first: dict) -> None:
 
 
 def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | None:
-    """A row for a leaf missing somewhere, of another kind, shape, dtype or layout, a plain
-    value that differs, or a tensor holding NaN or Inf; None when none of these."""
+    """A row for a leaf missing somewhere, of another kind, shape, dtype or layout, or a
+    plain value that differs; None when none of these."""
     ranks = list(found)
     missing = [r for r in ranks if found[r] is None]
     if missing:
@@ -123,15 +127,16 @@ def _mismatch(group: str, path: str, found: dict[int, dict | None]) -> Row | Non
                 how = "type differs"
             return Row(group, path, odd, f"{how}: {values}", against=_first(ranks, odd))
         return None
-    if first["kind"] == "ndarray":
-        return None
-    bad = [r for r in ranks if found[r].get("nan") or found[r].get("inf")]
-    if bad:
-        words = [
-            w for w, k in (("NaN", "nan"), ("Inf", "inf")) if any(found[r].get(k) for r in bad)
-        ]
-        return Row(group, path, bad, f"{' and '.join(words)} present")
     return None
+
+
+def _nonfinite(group: str, path: str, found: dict[int, dict]) -> Row | None:
+    """A row for a tensor holding NaN or Inf on some ranks; None when none does."""
+    bad = [r for r in found if found[r].get("nan") or found[r].get("inf")]
+    if not bad:
+        return None
+    words = [w for w, k in (("NaN", "nan"), ("Inf", "inf")) if any(found[r].get(k) for r in bad)]
+    return Row(group, path, bad, f"{' and '.join(words)} present")
 
 
 def _first(ranks: list[int], odd: list[int]) -> dict[int, int]:

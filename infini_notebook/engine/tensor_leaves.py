@@ -27,8 +27,9 @@ def local(t):
 
 def largest_difference(a, b) -> float | int | None:
     """max |a - b|: exact for integers (an int64 difference past 2**53 does not round to
-    0), NaN where either holds a NaN, 1 for booleans that differ; None for dtypes torch has
-    no arithmetic for (bits, sub-byte integers, float4 pairs)."""
+    0), NaN where one holds a NaN and the other not (NaN on both at one place counts 0), 1
+    for booleans that differ; None for dtypes torch has no arithmetic for (bits, sub-byte
+    integers, float4 pairs)."""
     import torch
 
     if a.numel() == 0:
@@ -38,8 +39,9 @@ def largest_difference(a, b) -> float | int | None:
     try:
         if a.is_complex():
             return float((a.to(torch.complex128) - b.to(torch.complex128)).abs().max())
-        if a.is_floating_point():
-            return float((a.double() - b.double()).abs().max())
+        if a.is_floating_point():  # a NaN on both at one place is no difference there
+            a, b = a.double(), b.double()
+            return float((a - b).abs().masked_fill(a.isnan() & b.isnan(), 0).max())
         if a.element_size() < 8:
             return int((a.long() - b.long()).abs().max())
     except NotImplementedError:
