@@ -278,3 +278,23 @@ def test_a_straggler_that_is_waited_for_directly_keeps_the_plain_verdict():
     v = tl.verdict(Sim(scripts, WORLD).traces(rng))
     assert v.text.startswith("rank 2 arrived last in 1 of 1 all_reduce; the other ranks waited")
     assert "through" not in v.text
+
+
+def test_a_second_straggler_in_another_group_is_named_too():
+    """Rank 1 late 200 ms x 3 in tp {0,1}; rank 3 late 300 ms x 3 in tp {2,3}: rank 3 cost
+    more and leads; rank 1, which cost rank 0 most of its cell, is named after it."""
+    groups = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
+    tp = {0: "1", 1: "1", 2: "2", 3: "2"}
+    late = {1: 200 * MS, 3: 300 * MS}
+    scripts = {
+        r: [
+            s
+            for _ in range(3)
+            for s in (("compute", 10 * MS + late.get(r, 0)), ("all_reduce", tp[r]))
+        ]
+        for r in range(4)
+    }
+    rng = random.Random(5)
+    v = tl.verdict(Sim(scripts, groups).traces(rng))
+    assert v.rank == 3 and v.text.startswith("rank 3 arrived last in 3 of 3 all_reduces"), v.text
+    assert v.text.endswith("; also rank 1: rank 0 waited 600 ms for it"), v.text

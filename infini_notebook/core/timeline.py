@@ -305,7 +305,32 @@ def verdict(traces: list[RankTrace]) -> Verdict:
         )
     else:
         text = f"rank {s} arrived last in {last} of {_kind([ms[0].op for ms in ops])}; {how}"
+    text += "".join(f"; {also}" for also in _other_roots(cost, wall, s))
     return Verdict(text.replace("%", " %"), rank=s, last=last, of=len(ops))
+
+
+ALSO_SHARE = 0.1  # another root is named when a peer waited this much of its cell for it
+ALSO_MAX = 2
+
+
+def _other_roots(cost: dict[int, dict[int, float]], wall: dict[int, float], named: int):
+    """Other ranks where a delay started (a straggler in another group), each named in a
+    clause when it cost some peer ALSO_SHARE of its cell: 'also rank 1: rank 0 waited up
+    to 600 ms for it'. The most costly first, at most ALSO_MAX."""
+    found = []
+    for r, peers in cost.items():
+        if r == named or not peers:
+            continue
+        worst = max(peers, key=lambda p: peers[p])
+        if wall.get(worst, 0) > 0 and peers[worst] / wall[worst] >= ALSO_SHARE:
+            found.append((sum(peers.values()), r, peers, worst))
+    out = []
+    for _, r, peers, worst in sorted(found, key=lambda x: (-x[0], x[1]))[:ALSO_MAX]:
+        who = rank_label(sorted(peers))[1:-1]
+        verb = "waited" if len(peers) == 1 else "waited for it, up to"
+        tail = f"{duration(peers[worst])} for it" if len(peers) == 1 else duration(peers[worst])
+        out.append(f"also rank {r}: {who} {verb} {tail}")
+    return out
 
 
 def _kind(ops: list[CommOp]) -> str:
