@@ -591,12 +591,16 @@ PROFILE_CELLS = [
     "        time.sleep(0.3)\n    dist.all_reduce(torch.ones(10))",
     "%%dist_profile\nx = torch.ones(1)\nif rank == 1:\n    raise ValueError('rank 1 bails out')\n"
     "dist.all_reduce(x)",
+    # JupyterLab's debugger on ranks (issue 52): a breakpoint on line 3 (y = x + 1)
+    "%%dist\nx = rank * 10\ny = x + 1\nprint('after', rank, y)",
 ]
+DEBUG_CELL = 4
 
 
-def test_profile_in_jupyterlab(tmp_path):
+def test_profile_and_debugger_in_jupyterlab(tmp_path):
     """The verdict leads, in words checked against the sleeps; Perfetto is a link after a
-    good profile and after a failed one; the failed one's lines are not broken mid-word."""
+    good profile and after a failed one; the failed one's lines are not broken mid-word.
+    Then JupyterLab's debugger stops the ranks at a breakpoint of a %%dist cell."""
     pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     nb = nbformat.v4.new_notebook()
@@ -604,8 +608,9 @@ def test_profile_in_jupyterlab(tmp_path):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     nbformat.write(nb, str(tmp_path / "profile.ipynb"))
     with lab_page(tmp_path, "profile.ipynb") as page:
-        run_cells(page, 0, len(PROFILE_CELLS))
+        run_cells(page, 0, DEBUG_CELL)
         check_profile(page, tmp_path)
+        check_debugger(page, tmp_path)
 
 
 def check_profile(page, shots) -> None:
@@ -633,6 +638,67 @@ def check_profile(page, shots) -> None:
     assert shown == lines, (lines, shown, said.inner_text())  # no line broken by the browser
     os.makedirs(OUT, exist_ok=True)
     shutil.copy(shots / "profile.png", OUT)
+
+
+# The Variables panel's shown variables: {name: value}
+VARIABLES_JS = """() => Object.fromEntries([...document.querySelectorAll(
+  '.jp-DebuggerVariables-body:not(.lm-mod-hidden) .jp-DebuggerVariables-name')].map(
+  (e) => [e.innerText.trim(), e.nextElementSibling?.innerText.trim()]))"""
+
+
+def check_debugger(page, shots) -> None:
+    """Issue 52: with the debugger on (the bug in the notebook's toolbar), a click in the
+    gutter of a %%dist cell's line 3 and a run stop the ranks there: the Callstack shows
+    a rank's frame at the editor's line, Variables that rank's x (rank * 10). Continue runs
+    every rank on; with the debugger off again the breakpoint no longer stops the cell."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(DEBUG_CELL)
+    bug = page.locator(".jp-DebuggerBugButton").first
+    bug.click()
+    page.locator(".jp-DebuggerCallstack").wait_for(timeout=30_000)
+    cell.scroll_into_view_if_needed()  # below the profiles' outputs: a click must reach it
+    line = cell.locator(".cm-line").nth(2).bounding_box()  # line 3: y = x + 1
+    gutter = cell.locator(".cm-gutter.cm-breakpoint-gutter").bounding_box()
+    page.mouse.click(gutter["x"] + gutter["width"] / 2, line["y"] + line["height"] / 2)
+    listed = page.locator(".jp-DebuggerBreakpoint-line").first
+    listed.wait_for(timeout=10_000)
+    assert listed.inner_text().strip() == "3"
+    run_cells(page, DEBUG_CELL, DEBUG_CELL + 1)
+    frame = page.locator(".jp-DebuggerCallstackFrame").first
+    frame.wait_for(timeout=60_000)
+    name = frame.locator(".jp-DebuggerCallstackFrame-name").inner_text().strip()
+    found = re.fullmatch(r"rank (\d): <module>", name)
+    assert found and int(found[1]) < 4, name
+    rank = int(found[1])
+    where = frame.locator(".jp-DebuggerCallstackFrame-location").inner_text().strip()
+    assert where.endswith(":3"), where  # the editor's line, the %%dist line counted
+    page.wait_for_function(f"() => ({VARIABLES_JS})().x !== undefined", timeout=30_000)
+    shown = page.evaluate(VARIABLES_JS)
+    assert (shown["x"], shown["rank"]) == (str(rank * 10), str(rank)), shown
+    assert "y" not in shown, shown  # line 3 has not run yet
+    assert "] after" not in cell.inner_text()  # every rank is held at the breakpoint
+    page.screenshot(path=str(shots / "debugger.png"))
+    page.locator('jp-button[data-command="debugger:continue"]').click()
+    for r in range(4):
+        cell.get_by_text(f"[rank {r}] after {r} {r * 10 + 1}").wait_for(timeout=30_000)
+    page.wait_for_selector(".jp-DebuggerCallstackFrame", state="detached", timeout=10_000)
+    bug.click()  # the debugger off: the ranks' debuggers are left, the breakpoint is inert
+    page.wait_for_function(
+        "() => document.querySelector('.jp-DebuggerBugButton')"
+        ".getAttribute('aria-pressed') === 'false'",
+        timeout=10_000,
+    )
+    prompt = cell.locator(".jp-InputPrompt")
+    ran = int(re.search(r"\d+", prompt.inner_text())[0])
+    run_cells(page, DEBUG_CELL, DEBUG_CELL + 1)
+    page.wait_for_function(
+        "([i, n]) => document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').innerText.includes(`[${n}]`)",
+        arg=[DEBUG_CELL, ran + 1],
+        timeout=30_000,
+    )
+    assert "[rank 3] after 3 31" in cell.inner_text()
+    os.makedirs(OUT, exist_ok=True)
+    shutil.copy(shots / "debugger.png", OUT)
 
 
 # Each top_ops item of the ranks' table: (its text, the lines it takes, the lines its cell takes)
