@@ -241,6 +241,46 @@ def test_breakpoint_in_a_module_the_ranks_import(lab, tmp_path):
     assert "[rank 0] got 0 2" in out and "[rank 1] got 1 8" in out, out  # (3r + 1) * 2
 
 
+# a child Python says whether it runs under pydevd (debugpy's tracer)
+CHILD = "import sys; print(any('pydevd' in m for m in sys.modules))"
+
+
+def test_processes_a_rank_starts_run_undebugged(lab):
+    """Under debugpy's default (subProcess) a child Python starts under pydevd and waits
+    for a client JupyterLab never sends (a DataLoader's workers, a subprocess)."""
+    cell = "%%dist\nimport subprocess, sys\n"
+    cell += f"out = subprocess.run([sys.executable, '-c', {CHILD!r}], capture_output=True, "
+    cell += "text=True, timeout=20)\nprint('child traced', out.stdout.strip())\n"
+    msg_id = lab.kc.execute(cell)
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] child traced False" in out and "[rank 1] child traced False" in out, out
+
+
+def test_processes_the_kernel_starts_once_debugpy_listens_run_undebugged():
+    """The debugger on before %load_ext (or on again after a kernel restart): ipykernel's
+    debugpy.listen patched process creation already; installing the proxy undoes it, or
+    %dist_start's controller and engines would start under pydevd."""
+    import subprocess
+    import sys
+
+    script = f"""
+import subprocess, sys
+import debugpy
+debugpy.listen(("127.0.0.1", 0))
+print(subprocess.run([sys.executable, "-c", {CHILD!r}], capture_output=True,
+                     text=True).stdout.strip())
+from infini_notebook.kernel.debug_proxy import no_child_debugging
+no_child_debugging(listening=True)
+print(subprocess.run([sys.executable, "-c", {CHILD!r}], capture_output=True,
+                     text=True).stdout.strip())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
+    assert out.stdout.split() == ["True", "False"], out  # traced before, not after
+
+
 def test_ids_route_back_to_their_rank():
     from infini_notebook.core import dap_ids
 
@@ -291,3 +331,29 @@ def test_dist_debugpy_prints_an_attach_configuration_for_one_rank(kernel, lab):
     other = json.loads(text_of(kernel.run("%dist_debugpy --rank 0")))
     assert other["connect"]["port"] != config["connect"]["port"]
     assert config["pathMappings"][0]["remoteRoot"] == REPO_ROOT
+
+
+def test_four_ranks_stop_and_step_apart(kernel, lab):
+    """Last in the module: its session becomes 4 ranks. The attached debugger follows the
+    new session (the old ranks' debuggers went with their processes) at the next
+    setBreakpoints; each rank stops, one steps alone, Continue runs all four on."""
+    use_session(kernel, "--nprocs 4")
+    path = lab.break_at(DIST_CELL, 3)
+    msg_id = lab.kc.execute(DIST_CELL)
+    stops = [lab.event("stopped", reason="breakpoint")["body"]["threadId"] for _ in range(4)]
+    threads = {t["id"]: t["name"] for t in lab.request("threads")["body"]["threads"]}
+    by_rank = {int(threads[t].split()[1]): t for t in stops}
+    assert sorted(by_rank) == [0, 1, 2, 3], threads
+    for r, tid in by_rank.items():
+        frame = lab.top(tid)
+        assert (frame["line"], frame["source"]["path"]) == (3, path), frame
+        assert lab.locals(frame["id"])["x"] == str(r)
+    assert lab.request("next", {"threadId": by_rank[2]})["success"]
+    lab.event("stopped", reason="step", threadId=by_rank[2])
+    assert [lab.top(by_rank[r])["line"] for r in range(4)] == [3, 3, 4, 3]
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+    assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    for r in range(4):
+        assert f"[rank {r}] done {r} {(r + 10) * 2}" in out, out

@@ -27,6 +27,10 @@ def listen() -> dict:
         import debugpy
 
         _spare_service_threads()
+        # a process the cell starts (a DataLoader's workers, a subprocess) runs undebugged:
+        # under debugpy's default it would wait for a client that never comes
+        # (kernel/debug_proxy.no_child_debugging says how)
+        debugpy.configure(subProcess=False)
         _state["endpoint"] = debugpy.listen(("127.0.0.1", 0))
     host, port = _state["endpoint"]
     return {

@@ -52,10 +52,39 @@ def install(kernel, current) -> bool:
         return False
     if isinstance(getattr(debugger, "_infini_proxy", None), DebugProxy):
         return True
+    no_child_debugging(listening=bool(getattr(debugger, "debugpy_initialized", False)))
     proxy = DebugProxy(kernel, debugger, current)
     debugger._infini_proxy = proxy
     debugger.process_request = proxy.process_request  # the instance's, not the class's
     return True
+
+
+def no_child_debugging(listening: bool) -> None:
+    """Processes this one starts (the session's template, controller and engines) run
+    undebugged. debugpy's default, ``subProcess``, patches process creation in the debugged
+    process (pydevd's ``pydev_monkey.patch_new_process_functions``, applied at
+    ``debugpy.listen``): each child Python would start under debugpy and wait for a client
+    JupyterLab never sends, so %dist_start with the debugger on hung until its timeout.
+    ``debugpy.configure(subProcess=False)`` (debugpy/public_api.py: it must precede listen;
+    an attach request cannot carry it) before ipykernel's listen; where that already ran
+    (the debugger was on before %load_ext), pydevd's patches are undone: each patched
+    function kept its original as ``original_<name>`` (``pydev_monkey.monkey_patch_module``)."""
+    try:
+        import debugpy
+
+        debugpy.configure(subProcess=False)
+    except Exception as e:  # no debugpy, or one that does not know the property
+        log.debug("debugpy.configure(subProcess=False): %r", e)
+    if not listening:
+        return
+    import _posixsubprocess
+    import subprocess
+
+    for module in (os, _posixsubprocess, subprocess):
+        for name in [n for n in vars(module) if n.startswith("original_")]:
+            target = name[len("original_") :]
+            if hasattr(module, target):
+                setattr(module, target, getattr(module, name))
 
 
 def proxy_of(kernel) -> DebugProxy | None:
