@@ -191,6 +191,17 @@ def test_a_failing_cell_names_its_root_cause(client, started):
     # usage errors are tool errors of one line
     got, text = client.call("run", code="1", ranks="5")
     assert got is None and "\n" not in text.strip() and "5" in text, text
+    # so are bad arguments: a wrong type, and a misspelt name (not run on every rank)
+    for bad in ({"code": 5}, {"code": "rank", "rank": "1"}):
+        got, text = client.call("run", **bad)
+        assert got is None and "\n" not in text.strip(), text
+    assert "no argument rank (it takes: code, ranks, timeout, where)" in text, text
+    # a huge value or error message is cut: the result stays small
+    got = client.ok("run", code="if rank == 1:\n    raise ValueError('z' * 10**6)\n'y' * 10**6")
+    zero, one = got["outputs"]
+    cut = f"... [{10**6 + 2 - 20_000} characters cut]"  # the repr: 10**6 + 2 characters
+    assert zero["result"].endswith(cut), zero["result"][-80:]
+    assert len(one["error"]) < 2100 and len(got["root_cause"]) < 2100, len(one["error"])
 
 
 def test_a_hung_collective_is_seen_in_stacks_and_interrupted(client, started):
@@ -339,6 +350,41 @@ def test_a_session_ends_with_the_server_that_started_it():
     assert gone(pids, folder) == []
 
 
+def test_the_server_exits_when_its_client_goes_during_a_call():
+    """stdin closes while run waits on a cell that never ends: the server exits now and
+    ends its session, not when the call's timeout (600 s) runs out. Raw JSON-RPC: the SDK's
+    client would SIGKILL a server that lingers, hiding the wait (and skipping its stop)."""
+
+    def send(message: dict) -> None:
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infini_notebook.mcp"], cwd=REPO,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        info = {"name": "raw", "version": "0"}
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}})  # fmt: skip
+        send({"method": "notifications/initialized"})
+        send({"id": 2, "method": "tools/call", "params": {"name": "start",
+                                                          "arguments": {"nprocs": 1}}})  # fmt: skip
+        while (reply := json.loads(proc.stdout.readline())).get("id") != 2:
+            pass
+        started = reply["result"]["structuredContent"]
+        pids, folder = [r["pid"] for r in started["ranks"]], started["folder"]
+        endless = {"code": "while True:\n    pass", "timeout": 600}
+        send({"id": 3, "method": "tools/call", "params": {"name": "run", "arguments": endless}})
+        time.sleep(1.5)  # the call waits on the cell
+        proc.stdin.close()
+        assert proc.wait(20) == 0  # subprocess.TimeoutExpired: it waits out the 600 s
+        assert gone(pids, folder) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def _ended_by_name(client, name: str):
     """A kept session a failed test left is ended now, not at the end of its keep time."""
@@ -357,6 +403,8 @@ def test_http_listens_on_loopback_only():
             loopback_socket(host, 0)
     sock = loopback_socket("127.0.0.1", 0)
     assert sock.getsockname()[0] == "127.0.0.1"
+    with pytest.raises(SystemExit, match="cannot listen on 127.0.0.1 port .*leave --port out"):
+        loopback_socket("127.0.0.1", sock.getsockname()[1])  # taken (by another user, say)
     sock.close()
 
 

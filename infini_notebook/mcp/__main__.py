@@ -33,15 +33,21 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (an MCP client ending us) exits as an interrupt does, so the session's stop
     # (atexit) runs; a kept session is left to its watchdog, as a kernel leaves it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = build()
-    if args.http:
-        import anyio
+    from .driver import Driver
 
-        from .http import TOKEN_ENV, serve
+    driver = Driver()
+    server = build(driver)
+    try:
+        if args.http:
+            import anyio
 
-        anyio.run(serve, server, args.host, args.port, os.environ.get(TOKEN_ENV))
-    else:
-        server.run("stdio")  # the SDK points fd 1 at stderr while it serves on a copy of it
+            from .http import TOKEN_ENV, serve
+
+            anyio.run(serve, server, args.host, args.port, os.environ.get(TOKEN_ENV))
+        else:
+            server.run("stdio")  # the SDK points fd 1 at stderr while it serves on a copy of it
+    finally:
+        driver.close()  # a call still waiting on a cell returns: the process can exit
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from . import results as R
 Progress = Callable[[float, "float | None", str], None]
 
 CAP_CHARS = 20_000  # per rank and stream in a result (every line is in output/rankN.*)
+LINE_CHARS = 2_000  # a one-line field (an error, a root cause, a result's repr: its start)
 KEPT_CELLS = 32  # handles of finished cells kept for wait
 NO_SESSION = "No session is running. Start one with the start tool, or list kept sessions with "
 NO_SESSION += "sessions and attach one."
@@ -92,6 +93,12 @@ class Driver:
         self.cells: dict[str, CellRun] = {}
         self.history: list[export.HistoryCell] = []  # this server's cells (not kept sessions)
         self._count = 0
+        # Set when the server ends (its client went): a call still following a cell returns,
+        # so the process exits (and stops its session) instead of waiting out the timeout.
+        self.closing = threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
 
     # ----- the session ------------------------------------------------------------------
     def session(self) -> cluster.Session:
@@ -104,6 +111,7 @@ class Driver:
         from ..viz.status_render import ready_text
 
         with self.lock:
+            self._refuse_second("start")
 
             def report(done: int, total: int, what: str = "") -> None:
                 progress(done, total or None, what or "starting")
@@ -116,6 +124,7 @@ class Driver:
 
     def attach(self, name: str, force: bool = False) -> R.SessionInfo:
         with self.lock:
+            self._refuse_second("attach")
             s, line = cluster.attach(name, force=force)
             self._new_session()
             return self._info(s, line, s.status())
@@ -138,6 +147,14 @@ class Driver:
             pids = [rs.pid for rs in s.ranks if rs.pid]
             s.stop()
             return R.StopResult(message="Session stopped.", pids=pids)
+
+    def _refuse_second(self, what: str) -> None:
+        s = cluster.current()
+        if s is not None:
+            raise DistUsageError(
+                f"Cannot {what}: a session of {s.world_size} ranks already runs in this server "
+                "(one at a time): end it with stop first, or start another server."
+            )
 
     def _new_session(self) -> None:
         self.history = []
@@ -255,7 +272,7 @@ class Driver:
         deadline = time.monotonic() + max(0.0, timeout)
         while not cell.ended.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or self.closing.is_set():
                 break
             what = cell.printer.waiting or f"running on {rank_label(cell.ranks)[1:-1]}"
             progress(now - cell.started, None, what)
@@ -286,7 +303,7 @@ class Driver:
             return R.RunResult(
                 **base, state="ok", elapsed_s=took, summary=summary, outputs=outputs(result)
             )
-        cause = error.summary if isinstance(error, DistCellError) else one_line(error)
+        cause = _cut(error.summary if isinstance(error, DistCellError) else one_line(error))
         report = _ANSI.sub("", getattr(error, "report", "") or "")[-CAP_CHARS:]
         return R.RunResult(
             **base,
@@ -383,7 +400,7 @@ class Driver:
                 prof = s.profile(code, ranks, where=where, out=out, echo=False, **kw)
                 state, cause = "ok", None
             except DistCellError as e:
-                prof, state, cause = getattr(e, "profile", None), "failed", e.summary
+                prof, state, cause = getattr(e, "profile", None), "failed", _cut(e.summary)
                 if prof is None:
                     raise
             flags = f" --ranks {ranks}" if ranks else f" --where {where}" if where else ""
@@ -448,13 +465,14 @@ def outputs(result: CellResult) -> list[R.RankOutput]:
     rows = []
     for r in result.ranks:
         value = result.results.get(r)
+        shown = value.get("text/plain") if isinstance(value, dict) else None
         rows.append(
             R.RankOutput(
                 rank=r,
                 stdout=_tail(result.stdout.get(r, "")),
                 stderr=_tail(result.stderr.get(r, "")),
-                result=value.get("text/plain") if isinstance(value, dict) else None,
-                error=result.errors.get(r),
+                result=_cut(shown, CAP_CHARS),
+                error=_cut(result.errors.get(r)),
             )
         )
     return rows
@@ -465,6 +483,14 @@ def _tail(text: str) -> str:
     if len(text) <= CAP_CHARS:
         return text
     return f"[{len(text) - CAP_CHARS} characters cut]\n{text[-CAP_CHARS:]}"
+
+
+def _cut(text: str | None, cap: int = LINE_CHARS) -> str | None:
+    """The start of a repr or an error's line, cut at ``cap`` (a message or a value's repr
+    can hold a whole tensor: the result stays small)."""
+    if text is None or len(text) <= cap:
+        return text
+    return f"{text[:cap]}... [{len(text) - cap} characters cut]"
 
 
 def _rows(frame) -> list[dict]:

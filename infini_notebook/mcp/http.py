@@ -62,7 +62,14 @@ def loopback_socket(host: str, port: int) -> socket.socket:
         )
     sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(
+            f"infini_notebook.mcp: cannot listen on {host} port {port}: {e.strerror}. Another "
+            "process (maybe another user's) holds it: leave --port out for a free one."
+        ) from None
     sock.listen(128)
     return sock
 
@@ -74,6 +81,8 @@ async def serve(server, host: str, port: int, token: str | None) -> None:
 
     told = token is not None
     token = token or secrets.token_urlsafe(32)
+    if len(token) < 16:
+        raise SystemExit(f"infini_notebook.mcp: ${TOKEN_ENV} must have at least 16 characters.")
     sock = loopback_socket(host, port)
     where = sock.getsockname()
     shown = f"[{where[0]}]" if ":" in where[0] else where[0]

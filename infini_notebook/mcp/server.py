@@ -20,13 +20,13 @@ import anyio.lowlevel
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from ..core.errors import DistCellError, DistUsageError
 from ..core.options import StartOptions
 from ..core.output import one_line
 from . import results as R
-from .driver import Driver
+from .driver import LINE_CHARS, Driver
 
 log = logging.getLogger("infini_notebook")
 
@@ -53,7 +53,7 @@ Where = Annotated[
 def build(driver: Driver | None = None) -> MCPServer:
     """The server with every tool bound to ``driver``."""
     driver = driver or Driver()
-    server = MCPServer("infini-notebook", instructions=INSTRUCTIONS, log_level="WARNING")
+    server = _Server("infini-notebook", instructions=INSTRUCTIONS, log_level="WARNING")
 
     @server.tool()
     async def sessions(ctx: Context) -> R.SessionsResult:
@@ -191,7 +191,9 @@ def build(driver: Driver | None = None) -> MCPServer:
         ctx: Context,
         name: Annotated[str, Field(description="a variable, or an expression, on each rank")],
         ranks: Ranks = None,
-        max_chars: Annotated[int, Field(description="cut each repr here", ge=1)] = 2000,
+        max_chars: Annotated[
+            int, Field(description="cut each repr here (at most 100000)", ge=1, le=100_000)
+        ] = 2000,
     ) -> R.PullResult:
         """A value on each rank, described where it lives: its repr (cut at max_chars),
         type, and for tensors and arrays shape, dtype, device and bytes. Nothing large is
@@ -213,6 +215,33 @@ def build(driver: Driver | None = None) -> MCPServer:
     return server
 
 
+class _Server(MCPServer):
+    """The SDK's server, stricter with arguments: a name a tool does not take is refused (a
+    misspelt ``rank`` would otherwise run the cell on every rank), and an argument that fails
+    its schema is told in one line."""
+
+    _known: dict[str, set[str]] | None = None
+
+    async def call_tool(self, name, arguments, context=None):
+        if self._known is None:
+            tools = await self.list_tools()
+            self._known = {t.name: set(t.input_schema.get("properties", {})) for t in tools}
+        known = self._known.get(name)
+        unknown = sorted(set(arguments) - known) if known is not None else []
+        if unknown:
+            takes = ", ".join(sorted(known)) or "none"
+            raise ToolError(f"{name}: no argument {', '.join(unknown)} (it takes: {takes}).")
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as e:
+            if not isinstance(e.__cause__, ValidationError):
+                raise
+            why = "; ".join(
+                f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.__cause__.errors()
+            )
+            raise ToolError(_one_line(f"{name}: bad arguments: {why}.")) from e.__cause__
+
+
 async def call(ctx: Context, fn, /, *args):
     """``fn(*args)`` on a worker thread; a ``progress`` keyword, if ``fn`` takes one, sends
     progress notifications (when the client asked for them, at most 4 a second); the
@@ -221,7 +250,11 @@ async def call(ctx: Context, fn, /, *args):
     if "progress" in inspect.signature(fn).parameters:
         kw["progress"] = _progress(ctx, anyio.lowlevel.current_token())
     try:
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kw))
+        # abandon_on_cancel: a request the client cancels, or the server ending as its client
+        # goes, returns now; the driver's call ends by itself (Driver.close ends a wait)
+        return await anyio.to_thread.run_sync(
+            functools.partial(fn, *args, **kw), abandon_on_cancel=True
+        )
     except DistUsageError as e:
         raise ToolError(_one_line(str(e))) from None
     except DistCellError as e:
@@ -249,7 +282,8 @@ def _progress(ctx: Context, token):
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    text = " ".join(text.split())
+    return text if len(text) <= LINE_CHARS else f"{text[:LINE_CHARS]}... (cut)"
 
 
 def _start_tool(driver: Driver):
