@@ -413,9 +413,9 @@ class Driver:
                 root_cause=cause,
                 ranks=_rows(prof.ranks),
                 collectives=_rows(prof.collectives)[:50],
-                folder=prof.folder,
-                trace=prof.merged,
-                files={str(r): p for r, p in prof.files.items()},
+                folder=os.path.abspath(prof.folder),  # the agent's cwd need not be ours
+                trace=os.path.abspath(prof.merged),
+                files={str(r): os.path.abspath(p) for r, p in prof.files.items()},
                 partial=prof.partial,
                 outputs=outputs(last) if last is not None else [],
             )
