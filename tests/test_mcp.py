@@ -262,7 +262,10 @@ def test_pull_diff_and_export(client, started, tmp_path):
         assert v["nbytes"] == 3 * 2 * 4 and v["type"] == "torch.Tensor"
         assert v["repr"] == repr(torch.full((3, 2), float(r))) and not v["truncated"]
     cut = client.ok("pull", name="list(range(1000))", ranks="0", max_chars=50)["values"]
-    assert cut[0]["truncated"] and len(cut[0]["repr"]) == 50
+    assert cut[0]["truncated"] and cut[0]["repr"].startswith("[0, 1, 2, 3, 4, 5, ...")
+    # a value far over the cap is described at the cap's cost, not its size's
+    huge = client.ok("pull", name="list(range(10**7))", ranks="0", max_chars=80)["values"]
+    assert huge[0]["truncated"] and len(huge[0]["repr"]) <= 80, huge
     _, text = client.call("pull", name="nothing_here")
     assert "nothing_here" in text and "not defined" in text
     differs = client.ok("diff", name="w", group="world")
@@ -448,3 +451,18 @@ def test_http_transport_refuses_requests_without_the_token():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_sessions_messages_name_tool_calls_not_magics():
+    from infini_notebook.mcp.server import agent_words
+
+    said = agent_words(
+        "rank 2 died. %dist_restart --ranks 2 starts a new rank 2 (%dist_restart --hard "
+        "restarts all); driven by kernel pid 7: take it over with %dist_attach x --force. "
+        "See %dist_sessions; %dist_interrupt stops it."
+    )
+    assert said == (
+        'rank 2 died. restart(ranks="2") starts a new rank 2 (restart(hard=true) restarts '
+        'all); driven by kernel pid 7: take it over with attach(name="x", force=true). '
+        "See sessions; interrupt stops it."
+    )

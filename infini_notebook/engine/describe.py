@@ -20,14 +20,34 @@ def describe(expression: str, max_chars: int) -> dict:
         value = ns[expression]
     else:
         value = eval(expression, ns)  # the agent's code, as a cell would run it
-    text = repr(value)
+    text, cut = bounded_repr(value, max_chars)
     out: dict[str, Any] = {
         "type": f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins."),
         "repr": text[:max_chars],
-        "truncated": len(text) > max_chars,
+        "truncated": cut or len(text) > max_chars,
     }
     out.update(_array_fields(value))
     return out
+
+
+_BUILTINS = (str, bytes, bytearray, list, tuple, dict, set, frozenset)
+
+
+def bounded_repr(value: Any, max_chars: int) -> tuple[str, bool]:
+    """A repr that costs about ``max_chars``, not the value's size (a list of 10^8 numbers
+    took a minute and gigabytes to repr in full), and whether it left something out.
+    Tensors and arrays summarise themselves; builtin containers and strings go through
+    ``reprlib`` with limits; other objects keep their own repr."""
+    import reprlib
+
+    if not isinstance(value, _BUILTINS):
+        return repr(value), False
+    items = max(4, max_chars // 8)
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 6, max_chars, max_chars
+    r.maxlist = r.maxtuple = r.maxset = r.maxfrozenset = r.maxdict = r.maxdeque = items
+    limit = max_chars if isinstance(value, (str, bytes, bytearray)) else items
+    return r.repr(value), len(value) > limit
 
 
 def _array_fields(value: Any) -> dict:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import re
 import time
 import typing
 from typing import Annotated
@@ -282,8 +283,33 @@ def _progress(ctx: Context, token):
 
 
 def _one_line(text: str) -> str:
-    text = " ".join(text.split())
+    text = agent_words(" ".join(text.split()))
     return text if len(text) <= LINE_CHARS else f"{text[:LINE_CHARS]}... (cut)"
+
+
+# The session's messages name the notebook's magics; an agent calls tools. Most specific
+# first: each magic, with its flags, as the tool call that does the same.
+_AGENT_WORDS = [
+    (re.compile(r"%dist_attach (\S+) --force"), r'attach(name="\1", force=true)'),
+    (re.compile(r"%dist_attach (\S+)"), r'attach(name="\1")'),
+    (re.compile(r"%dist_restart --ranks ([\d,\-]+)"), r'restart(ranks="\1")'),
+    (re.compile(r"%dist_restart --hard"), "restart(hard=true)"),
+    (re.compile(r"\(or --hard\)"), "(or restart(hard=true))"),
+    (re.compile(r"%dist_restart\b"), "restart()"),
+    (re.compile(r"%dist_start --nprocs (\d+)"), r"start(nprocs=\1)"),
+    (re.compile(r"%dist_stop (\S+)"), r'stop (after attach(name="\1"))'),
+    (re.compile(r"%(dist_stop|dist_sessions|dist_stacks|dist_interrupt|dist_status)\b"),
+     lambda m: m.group(1).removeprefix("dist_")),
+    (re.compile(r"%%dist\b"), "run"),
+]  # fmt: skip
+
+
+def agent_words(text: str) -> str:
+    """``text`` with the magics it names said as tool calls ('%dist_restart --hard' ->
+    'restart(hard=true)')."""
+    for pattern, words in _AGENT_WORDS:
+        text = pattern.sub(words, text)
+    return text
 
 
 def _start_tool(driver: Driver):
