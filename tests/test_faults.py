@@ -353,6 +353,10 @@ def test_output_flood_is_capped_and_the_notebook_stays_responsive(kernel):
     assert "capped at 2000 lines" in out and "output/rank1.stdout" in out  # the file's path
     assert len(out) < 100_000
     assert "999999" in text_of(kernel.run("print(dist_session.last.stdout[1][-7:])"))  # its tail
+    first = text_of(kernel.run("print(dist_session.last.stdout[1].splitlines()[0])")).strip()
+    assert first.startswith("[earlier output cut: all of it is in ") and first.endswith(
+        "output/rank1.stdout]"
+    ), first  # the tail says it is one
 
 
 def test_everything_listens_on_loopback(kernel):

@@ -72,8 +72,18 @@ class OutputFiles:
 
     def tail(self, rank: int, stream: str) -> str:
         """The last TAIL_CHARS the rank wrote, carriage returns applied (as ipyparallel's
-        own copy had them), from a line's start where it was cut."""
-        return settle(self._tails[(rank, stream)].text())
+        own copy had them), from a line's start where it was cut, and then under a first
+        line that says so and where the whole is (a 10 MB line was left out without a word)."""
+        tail = self._tails[(rank, stream)]
+        text = settle(tail.text())
+        if not tail.cut:
+            return text
+        where = self.path(rank, stream)
+        return (
+            f"[earlier output cut: all of it is in {where}]\n{text}"
+            if where
+            else (f"[earlier output cut]\n{text}")
+        )
 
     def close(self) -> None:
         """Flush and close; text still trailing (a rank that ignored a Stop) is not kept."""
