@@ -466,3 +466,14 @@ def test_the_sessions_messages_name_tool_calls_not_magics():
         'all); driven by kernel pid 7: take it over with attach(name="x", force=true). '
         "See sessions; interrupt stops it."
     )
+
+
+def test_a_running_cells_output_says_what_was_cut_and_starts_at_a_line():
+    from infini_notebook.mcp.driver import Collector
+
+    kept = Collector(cap=30)
+    for line in ("[rank 0] line one\n", "[rank 0] line two is long\n", "[rank 1] three\n"):
+        kept.out(line)
+    assert kept.text() == (
+        "[44 characters cut: every line is in the session's output/rankN files]\n[rank 1] three\n"
+    )  # 62 written, 30 kept, 14 of them the cut line's end

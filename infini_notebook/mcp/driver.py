@@ -51,11 +51,16 @@ class Collector:
 
     def __init__(self, cap: int = CAP_CHARS):
         self.cap, self._text, self.waiting = cap, "", ""
+        self.cut = 0  # characters left out so far
         self._lock = threading.Lock()
 
     def out(self, text: str) -> None:
         with self._lock:
-            self._text = (self._text + text)[-self.cap :]
+            text = self._text + text
+            if len(text) > self.cap:
+                self.cut += len(text) - self.cap
+                text = text[-self.cap :]
+            self._text = text
 
     err = out
 
@@ -67,8 +72,14 @@ class Collector:
         return True
 
     def text(self) -> str:
+        """What was kept, from a line's start, under a line that says what was cut."""
         with self._lock:
-            return _ANSI.sub("", self._text)
+            text, cut = _ANSI.sub("", self._text), self.cut
+        if not cut:
+            return text
+        rest = text[text.index("\n") + 1 :] if "\n" in text else text
+        cut += len(text) - len(rest)
+        return f"[{cut} characters cut: every line is in the session's output/rankN files]\n{rest}"
 
 
 @dataclass
