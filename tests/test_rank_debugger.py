@@ -27,6 +27,15 @@ if rank == 0:
 dist.all_reduce(t)
 print('sum', t.item())
 """
+# only rank 1 reaches line 4; rank 0 waits for it in the tp all_reduce, ranks 2 and 3 (the
+# other tp group) finish meanwhile
+TP_CELL = """%%dist
+t = torch.ones(1) * (rank + 1)
+if rank == 1:
+    t += 0
+dist.all_reduce(t, group=groups.tp)
+print('tp sum', t.item())
+"""
 PLAIN_CELL = "a = 5\nb = a + 1\nc = b * 7\n"
 
 
@@ -334,10 +343,12 @@ def test_dist_debugpy_prints_an_attach_configuration_for_one_rank(kernel, lab):
 
 
 def test_four_ranks_stop_and_step_apart(kernel, lab):
-    """Last in the module: its session becomes 4 ranks. The attached debugger follows the
-    new session (the old ranks' debuggers went with their processes) at the next
-    setBreakpoints; each rank stops, one steps alone, Continue runs all four on."""
-    use_session(kernel, "--nprocs 4")
+    """Last in the module: its session becomes 4 ranks (tp 2). The attached debugger
+    follows the new session (the old ranks' debuggers went with their processes) at the
+    next setBreakpoints; each rank stops, one steps alone, Continue runs all four on.
+    Then tutorial 06's case: rank 1 paused, rank 0 waits for it in the tp all_reduce while
+    the other tp group finishes; the wait line says so."""
+    use_session(kernel, "--nprocs 4 --tp 2")
     path = lab.break_at(DIST_CELL, 3)
     msg_id = lab.kc.execute(DIST_CELL)
     stops = [lab.event("stopped", reason="breakpoint")["body"]["threadId"] for _ in range(4)]
@@ -357,3 +368,23 @@ def test_four_ranks_stop_and_step_apart(kernel, lab):
     out = lab.streams.get(msg_id, "")
     for r in range(4):
         assert f"[rank {r}] done {r} {(r + 10) * 2}" in out, out
+
+    path = lab.break_at(TP_CELL, 4)
+    msg_id = lab.kc.execute(TP_CELL)
+    tid = lab.event("stopped", reason="breakpoint")["body"]["threadId"]
+    assert lab.top(tid)["name"] == "rank 1: <module>"
+    deadline = time.monotonic() + 15  # the wait line comes after HANG_AFTER_S
+    while not any("paused in the debugger" in d for d in lab.displays[-1:]):
+        assert time.monotonic() < deadline, lab.displays
+        lab._read_iopub(0.2)
+    line = lab.displays[-1]
+    assert "rank 0 in the cell's 1st all_reduce (#1 on the tp group)" in line, line
+    assert "line 5; rank 1 paused in the debugger" in line and "rank 2" not in line, line
+    out = lab.streams.get(msg_id, "")  # the other tp group did not wait for rank 1
+    assert "[rank 2] tp sum 7.0" in out and "[rank 3] tp sum 7.0" in out, out
+    assert "[rank 0]" not in out, out
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+    lab.request("continue", {"threadId": 1})
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] tp sum 3.0" in out and "[rank 1] tp sum 3.0" in out, out  # 1 + 2

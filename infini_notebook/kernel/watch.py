@@ -297,6 +297,9 @@ class CellWatch:
                 self.found = found
                 if self.gone:
                     self._release(found, now)
+                    if any(found.values()) and debug_proxy.paused_now():
+                        # the others finished; who waits for the paused rank says so
+                        self._show_hang(found, now)
                 elif any(found.values()):  # a rank waits: say where (not "all computing")
                     self._show_hang(found, now)
             except Exception as e:
