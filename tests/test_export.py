@@ -439,8 +439,10 @@ def test_tutorial_06_exported_runs_under_torchrun_with_the_same_output(tmp_path)
     assert f"Wrote {path}: {len(dist_cells) - 1} %%dist cells" in said, said
     assert "torchrun --nproc_per_node 4" in said
     skipped = [line for line in said.splitlines() if line.startswith("skipped")]
-    assert len(skipped) == 4, said  # the failed cell, %dist_pull, two cells of kernel code
-    assert "(failed in the notebook" in skipped[2] and "%dist_pull checks" in skipped[3]
+    # two cells of kernel code, the tutorial's %dist_debugpy, the failed cell, %dist_pull
+    assert len(skipped) == 5, said
+    assert "%dist_debugpy --rank 1" in skipped[2]
+    assert "(failed in the notebook" in skipped[3] and "%dist_pull checks" in skipped[4]
 
     notebook = lines_by_rank("".join(text_of(c, "stdout") for c in dist_cells), 4)
     assert notebook[1][-4:-2] == ["tp rank 1 of [0, 1]", "10"]  # the extra cells did show

@@ -258,6 +258,58 @@ CELLS = [
     with open(script) as f:
         print(f.read().split("# %%")[0])  # the part before the first cell
     """),
+    md("""
+    ## Debugging a tp bug by stepping into rank 1 while rank 0 waits
+
+    Say the output of a tp layer came out wrong, and you suspect one rank's partial sum
+    (a bias added before the all-reduce instead of after, say, counts it tp times). You want
+    to stop rank 1 just before the all-reduce and look at its values, while rank 0 waits for
+    it as it would in training. JupyterLab's own debugger does that on ranks; it needs
+    clicks, so this part is to follow in JupyterLab (a headless run of this notebook just
+    runs the cell below):
+
+    1. Switch the debugger on: the bug icon at the right of the notebook's toolbar.
+    2. Click the gutter left of line 5 of the cell below (`norm = partial.norm()`; the
+       `%%dist` line counts as line 1, as in tracebacks): a red dot, and the Breakpoints
+       panel lists it.
+    3. Run the cell. Only rank 1 reaches line 5 and pauses there. The Callstack shows
+       `rank 1: <module>` at the cell's line 5; Variables shows rank 1's own `h` and
+       `partial` (its half of the hidden layer, its partial sum) and its namespace (`rank`
+       is 1); the debug console evaluates on rank 1 (`partial.sum()`, `tp_mlp.fc2.weight`).
+       Next steps rank 1 alone.
+    4. Meanwhile rank 0 waits for rank 1 in the all-reduce, which is no hang: the cell's
+       wait line says `rank 0 in the cell's 1st all_reduce (#1 on the tp group) at In[..],
+       line 6; rank 1 paused in the debugger`, and a `%dist_status` shown earlier turns rank
+       1's tile to `paused in the debugger`. Nothing is released. Ranks 2 and 3 (the other
+       tp group) do not wait for rank 1: they finish and print.
+    5. Continue (the play button of the Callstack panel): rank 1 runs on, the all-reduce
+       completes and the cell prints as it does without the debugger.
+
+    A breakpoint on a line of a module the ranks import pauses them the same way, once it
+    is set on the module's own file: in the editor JupyterLab opens when a rank steps into
+    the module, or from the Kernel Sources panel when the notebook imported it too
+    (JupyterLab's plain file editor sets its breakpoints on a copy of the text, as for a
+    cell, which no rank runs). A pause counts against the collective timeout (`%dist_start
+    --timeout`, 300 s by default): raise it before a long look. Processes a rank starts
+    while the debugger is on (a DataLoader's workers) run undebugged.
+    """),
+    code("""
+    %%dist --collapse
+    h = F.gelu(tp_mlp.fc1(x))  # this rank's slice of the hidden layer
+    partial = F.linear(h, tp_mlp.fc2.weight)  # its partial sum of fc2's output
+    if rank == 1:
+        norm = partial.norm()  # line 5: a breakpoint here stops rank 1 alone
+    dist.all_reduce(partial, group=groups.tp)  # rank 0 waits here for rank 1
+    print("partial sums + bias == the unsplit output:", same(partial + tp_mlp.fc2.bias, ref_out))
+    """),
+    md("""
+    An editor's debugger (VS Code) can attach to one rank instead: `%dist_debugpy --rank 1`
+    starts debugpy on that rank (on loopback) and prints the `attach` configuration to put in
+    `launch.json`. debugpy takes one client at a time, so switch JupyterLab's debugger off
+    first. Ranks on another host are not reached this way yet (debugpy listens on loopback
+    there; an ssh tunnel to the printed port reaches it).
+    """),
+    code("%dist_debugpy --rank 1"),
     code("%dist_stop"),
     md("""
     ## Recap
@@ -271,6 +323,8 @@ CELLS = [
     - Checking against an unsplit model built from the same seed on every rank, forward and
       backward, catches a wrong split at once.
     - `%dist_export FILE.py` turns the cells into a script that `torchrun` runs the same way.
+    - JupyterLab's debugger stops the ranks at a breakpoint of a `%%dist` cell, each rank a
+      thread `rank N`; a rank paused there is said so while its tp peer waits for it.
 
     With dp = 2 here, ranks [0, 1] and [2, 3] are two copies of the model; a training step
     would feed each copy its own batch and average gradients over `groups.dp`
