@@ -243,6 +243,8 @@ def test_breakpoint_in_a_module_the_ranks_import(lab, tmp_path):
         assert frame["line"] == 3 and frame["source"]["path"] == path, frame
         assert frame["name"] == f"rank {r}: scaled"
         assert lab.locals(frame["id"]) == {"rank": str(r), "a": str(3 * r)}  # b not yet set
+    # the editor JupyterLab opens on the frame (where breakpoints go on the module's path)
+    assert lab.request("source", {"source": {"path": path}})["body"]["content"] == MODULE
     lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
     assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
     assert lab.reply(msg_id)["status"] == "ok"
