@@ -228,3 +228,24 @@ def pytest_terminal_summary(terminalreporter):
     os.makedirs(os.path.join(REPO, "out"), exist_ok=True)
     with open(os.path.join(REPO, "out", "fault_timings.json"), "w") as f:
         json.dump(FAULT_TIMINGS, f, indent=1)
+
+
+def session_processes(folder: str) -> list:
+    """Every live process of the session in ``folder`` (the oracle of what a stop ended):
+    the ones carrying its mark (launch/watchdog.py's MARK: engines, controller, template)
+    and its watchdog (which names the folder's profile on its command line)."""
+    import psutil
+
+    from infini_notebook.launch.watchdog import MARK
+
+    profile = os.path.join(folder, "profile")
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found

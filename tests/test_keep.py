@@ -12,10 +12,10 @@ import time
 
 import psutil
 import pytest
-from conftest import fresh_kernel, text_of
+from conftest import fresh_kernel, session_processes, text_of
 from jupyter_core.utils import run_sync
 
-from infini_notebook.launch.watchdog import LEASE, MARK, read_json
+from infini_notebook.launch.watchdog import LEASE, read_json
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,21 +28,6 @@ _deadline = _t.monotonic() + 30
 while not all("line 4 in <module>" in d for d in dist_session.stacks().values()):
     assert _t.monotonic() < _deadline, dist_session.stacks()
     _t.sleep(0.1)"""
-
-
-def session_processes(folder: str) -> list[psutil.Process]:
-    """Every process of the session in ``folder``: marked ones, and its watchdog."""
-    profile = os.path.join(folder, "profile")
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:
-            pass
-    return found
 
 
 def wait_until_gone(folder: str, timeout: float) -> list[psutil.Process]:

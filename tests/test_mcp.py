@@ -18,14 +18,12 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, fresh_kernel, text_of
+from conftest import REPO, fresh_kernel, session_processes, text_of
 
 mcp = pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'mcp>=2')")
 from anyio.from_thread import start_blocking_portal  # noqa: E402
 from mcp.client.session import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
-
-from infini_notebook.launch.watchdog import MARK  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,21 +89,6 @@ class Client:
     def close(self) -> None:
         self._stack.close()
         self.errlog.close()
-
-
-def session_processes(folder: str) -> list[psutil.Process]:
-    """Every live process of the session in ``folder``: the marked ones and its watchdog."""
-    profile = os.path.join(folder, "profile")
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get(MARK) == profile or profile in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:
-            pass
-    return found
 
 
 def gone(pids: list[int], folder: str, timeout: float = 10.0) -> list:
