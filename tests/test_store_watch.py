@@ -163,21 +163,53 @@ def test_a_dropped_store_connection_is_reconnected_and_a_lost_store_ends_the_ran
     assert 2 <= took < 15, took
 
 
+# The kernel's store and heartbeat in a process of their own, so that it can die as a kernel
+# does (every connection reset by the OS): a store object deleted in this process stops
+# listening but may leave its connections open. Prints the port; stops beating at "stop".
+KERNEL = """\
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from infini_notebook.engine.rank_services import session_root
+from infini_notebook.launch.heartbeat import Heartbeat
+token, key = sys.argv[1:]
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+port = store.port
+def connect():
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    return dist.PrefixStore(session_root(token), client)
+beats = Heartbeat(connect, key, every=0.2)
+print(port, flush=True)
+sys.stdin.readline()
+beats.stop()
+print("stopped", flush=True)
+time.sleep(600)
+"""
+
+
 def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_alive():
     """Issue 49: the signed alive value was the same for the whole session; copied, then
     served from a store on the same port once the kernel's had ended, it kept a remote rank
-    alive for over 110 s. Now the copy (the newest beat, re-set all the time) is old news."""
-    store, beats = kernel_store()
-    port = store.port
-    watcher = start_watcher(port, 3)
-    keys = dist.PrefixStore(session_root(TOKEN), store)
+    alive for over 110 s. Now the copy (the newest beat, re-set all the time) is old news,
+    and the connection it is served on is not the one the rank had to the kernel's."""
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, TOKEN, KEY],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    foreign = None
     try:
+        port = int(kernel.stdout.readline())
+        watcher = start_watcher(port, 3)
         assert watcher.stdout.readline().strip() == "watching"
         time.sleep(1)  # it takes some beats
-        beats.stop()
-        copied = keys.get(ALIVE_KEY)  # the attacker's copy of the last beat
+        kernel.stdin.write("stop\n")
+        kernel.stdin.flush()
+        assert kernel.stdout.readline().strip() == "stopped"
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        copied = dist.PrefixStore(session_root(TOKEN), client).get(ALIVE_KEY)  # the attacker's
         assert read_beat(KEY, copied) is not None
-        del keys, store  # the kernel is gone, its port free
+        del client
+        end(kernel)  # SIGKILL: the kernel is gone, its port free
         foreign = subprocess.Popen(  # as uid 65534 where it can: another user's store
             [sys.executable, "-c", FOREIGN, str(port), f"{session_root(TOKEN)}/{ALIVE_KEY}",
              copied.hex()],
@@ -188,9 +220,10 @@ def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_a
         code = watcher.wait(30)
         took = time.monotonic() - t0
     finally:
-        end(watcher)
-        beats.stop()
-        if "foreign" in locals():
+        end(kernel)
+        if "watcher" in locals():
+            end(watcher)
+        if foreign is not None:
             end(foreign)
     assert code == 3, code
     said = watcher.stderr.read()
@@ -290,15 +323,17 @@ def test_the_window_of_a_remote_rank_is_set_by_its_environment(capsys):
         )
 
 
-def test_a_connection_made_before_the_last_beat_and_answering_holds_the_window_open():
+def test_a_connection_that_brought_fresh_beats_and_answers_holds_the_window_open():
     fresh = Freshness(window=2.0, since=0.0)
     fresh.connected(0.0)
-    assert fresh.take(5, 1.0)  # a fresh beat at 1.0, on the connection made at 0.0
+    assert fresh.take(5, 0.5) and fresh.take(6, 1.0)  # two fresh beats on this connection
     fresh.reply(10.0)
     assert not fresh.expired(10.0)  # no beat for 9 s, but the kernel's store answers
     assert fresh.expired(16.0)  # ... then it stopped answering
-    fresh.connected(11.0)  # remade after the last beat: a store on the freed port, maybe
-    fresh.reply(11.5)
-    assert fresh.expired(11.5)
+    fresh.connected(11.0)  # remade: a store on the freed port, maybe
+    assert fresh.take(7, 11.2)  # the newest beat, copied before the kernel died
+    assert not fresh.take(7, 11.4)  # ... served again and again
+    fresh.reply(14.0)
+    assert fresh.expired(14.0)  # one fresh beat on a connection does not hold it
     fresh.unreachable("refused")
-    assert fresh.linked is None and fresh.expired(3.5)
+    assert fresh.linked is None and fresh.expired(14.0)

@@ -47,11 +47,13 @@ class Freshness:
     store: when it was made and when the store last answered on it.
 
     A beat can be kept from a rank (another user deleting the key, or overwriting it with
-    an old copy, in a tight loop), but not its connection: one made before the last fresh
-    beat, still answering, goes to the store the kernel hosts (its process is alive: the
-    connection would have dropped with it). So the window ends the rank only when, besides
-    no fresh beat, that connection is gone: lost, remade since (a store on the freed port
-    is a new connection), or silent (a network split)."""
+    an old copy, in a tight loop), but not its connection: one on which the rank took two
+    fresh beats or more, still answering, goes to the store the kernel hosts (only the
+    kernel signs new beats, and its process is alive: the connection would have dropped
+    with it). One fresh beat is not enough: the newest beat, copied before the kernel died
+    and not yet taken, can be served once from a store on the freed port. So the window
+    ends the rank only when, besides no fresh beat, that connection is gone: lost, remade
+    (a store on the freed port is a new connection), or silent (a network split)."""
 
     window: float
     since: float  # the last fresh beat, or when the rank began to follow
@@ -59,6 +61,7 @@ class Freshness:
     seen: str = "no heartbeat yet"
     linked: float | None = None  # when the current connection was made
     answered: float = float("-inf")  # when the store last answered on it
+    fresh_on_link: int = 0  # fresh beats taken on the current connection
 
     def take(self, seq: int | None, now: float) -> bool:
         """A beat read now; whether it is fresh (newer than the last one taken)."""
@@ -69,10 +72,11 @@ class Freshness:
             self.seen = f"only an old heartbeat (sequence {seq}, not newer than {self.last})"
             return False
         self.last, self.since, self.seen = seq, now, "fresh"
+        self.fresh_on_link += 1
         return True
 
     def connected(self, now: float) -> None:
-        self.linked = now
+        self.linked, self.fresh_on_link = now, 0
 
     def reply(self, now: float) -> None:
         """The store answered on the current connection."""
@@ -83,10 +87,10 @@ class Freshness:
         self.linked = None
 
     def link_holds(self, now: float) -> bool:
-        """The connection made before the last fresh beat still answers."""
+        """The connection that brought two fresh beats or more still answers."""
         return (
             self.linked is not None
-            and self.linked <= self.since
+            and self.fresh_on_link >= 2
             and now - self.answered < LINK_ANSWERS_S
         )
 
