@@ -530,7 +530,7 @@ def test_export_magic_errors_and_help(kernel, tmp_path):
     assert existing.read_text() == "keep me\n"
     # what %dist_export? shows (IPython pages it, so read the magic's docstring directly)
     doc = text_of(kernel.run('print(get_ipython().find_line_magic("dist_export").__doc__)'))
-    assert "Write this session's %%dist cells" in doc and "--force" in doc
+    assert "Write this session's %%dist and %%dist_profile cells" in doc and "--force" in doc
 
 
 # ----- another user's link where the script goes (issue 44.5) ---------------------------------

@@ -57,13 +57,14 @@ MODES = {
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LABEL = re.compile(r"^(\[ranks? [^\]]+\])( |$)")
 MASKS = [  # (pattern, replacement), applied in order to every line compared
+    # first: a checkout under /tmp (a CI clone) would be cut by the TMP mask below
+    (re.compile(r'("(localRoot|remoteRoot)": )"[^"]*"'), r'\1"FOLDER"'),
     (re.compile(r"/tmp/\S+"), "TMP"),
     (re.compile(r"0x[0-9a-f]+"), "HEX"),
     (re.compile(r"[0-9a-f]{20,}"), "HASH"),
     (re.compile(r"(PORT=|127\.0\.0\.1:)\d+"), r"\1PORT"),
-    # %dist_debugpy's attach configuration: a rank's debugpy port, the checkout's folder
+    # %dist_debugpy's attach configuration: a rank's debugpy port (its folders: above)
     (re.compile(r'("port": )\d+'), r"\1PORT"),
-    (re.compile(r'("(localRoot|remoteRoot)": )"[^"]*"'), r'\1"FOLDER"'),
     (re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"), "TIME"),
     (re.compile(r"\b\d\d:\d\d:\d\d\b"), "CLOCK"),  # a time of day (the attach line's)
     (re.compile(r"\(\d+ % of"), "(PCT % of"),  # a profile's share of the cell: measured too

@@ -80,6 +80,7 @@ class TextPrinter:
         self.echo, self.owns_cell = echo, owns_cell
         self.preamble = preamble  # printed before the cell ran (auto mode's marker): kept
         self._live = None  # the display of this cell's progress lines, once there are some
+        self._status = None  # (its display, its text): the line status() keeps in place
 
     def can_replay(self) -> bool:
         if not (self.echo and self.owns_cell):
@@ -96,6 +97,11 @@ class TextPrinter:
         clear_output(wait=True)
         self._live = None
         self.out(self.preamble)
+        if self._status is not None:  # the clear took the status line too: shown again,
+            from IPython.display import display  # under its id, so that updates reach it
+
+            handle, text = self._status
+            display({"text/plain": text}, raw=True, display_id=handle.display_id)
         show_items(self, items)
 
     def out(self, text: str) -> None:
@@ -122,8 +128,10 @@ class TextPrinter:
         from IPython.display import display
 
         if handle is None:
-            return display({"text/plain": text}, raw=True, display_id=True)
-        handle.update({"text/plain": text}, raw=True)
+            handle = display({"text/plain": text}, raw=True, display_id=True)
+        else:
+            handle.update({"text/plain": text}, raw=True)
+        self._status = (handle, text)
         return handle
 
     def live(self, text: str) -> None:
