@@ -310,19 +310,26 @@ def verdict(traces: list[RankTrace]) -> Verdict:
 
 
 ALSO_SHARE = 0.1  # another root is named when a peer waited this much of its cell for it
+ALSO_OF_FIRST = 0.25  # ... and at least this much of the longest wait the first one caused
 ALSO_MAX = 2
 
 
 def _other_roots(cost: dict[int, dict[int, float]], wall: dict[int, float], named: int):
     """Other ranks where a delay started (a straggler in another group), each named in a
-    clause when it cost some peer ALSO_SHARE of its cell: 'also rank 1: rank 0 waited up
-    to 600 ms for it'. The most costly first, at most ALSO_MAX."""
+    clause when it cost some peer ALSO_SHARE of its cell and ALSO_OF_FIRST of the longest
+    wait the named rank caused (a few ms of jitter in a short cell is no straggler): 'also
+    rank 1: rank 0 waited up to 600 ms for it'. The most costly first, at most ALSO_MAX."""
+    first = max(cost.get(named, {}).values(), default=0.0)
     found = []
     for r, peers in cost.items():
         if r == named or not peers:
             continue
         worst = max(peers, key=lambda p: peers[p])
-        if wall.get(worst, 0) > 0 and peers[worst] / wall[worst] >= ALSO_SHARE:
+        if (
+            wall.get(worst, 0) > 0
+            and peers[worst] / wall[worst] >= ALSO_SHARE
+            and peers[worst] >= ALSO_OF_FIRST * first
+        ):
             found.append((sum(peers.values()), r, peers, worst))
     out = []
     for _, r, peers, worst in sorted(found, key=lambda x: (-x[0], x[1]))[:ALSO_MAX]:
