@@ -293,11 +293,8 @@ def verdict(traces: list[RankTrace]) -> Verdict:
     else:
         p = max(peers, key=lambda r: waited[r])
         how = f"{who} waited for it, up to {duration(high)} (rank {p}: {share[p]:.0%} of its cell)"
-    passed = [
-        f"rank {p} {blame.through(blame.main_chain(chains[p], s))}"
-        for p in peers
-        if len(blame.main_chain(chains[p], s)) > 1
-    ]
+    main = {p: blame.main_chain(chains[p], s) for p in peers}
+    passed = [f"rank {p} {blame.through(main[p])}" for p in peers if len(main[p]) > 1]
     if passed:  # the delay reached some peers through ranks that waited for it themselves
         text = (
             f"rank {s} is where the delay starts: it arrived last in {last} of "

@@ -64,18 +64,19 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
     the new ranks by their bootstrap, joining the same rendezvous. A step that fails says
     which, and leaves the groups marked not whole (``--hard`` brings all back)."""
     others = set(range(s.world_size)) - set(ranks)
-    dead = {r: why for r, why in supervision.dead_ranks(s, sorted(others)).items()}
+    named = rank_label(sorted(ranks))[1:-1]
+    dead = supervision.dead_ranks(s, sorted(others))
     if dead:
         also = ",".join(map(str, sorted(set(ranks) | set(dead))))
         raise DistUsageError(
-            f"Cannot replace {rank_label(sorted(ranks))[1:-1]} alone: "
+            f"Cannot replace {named} alone: "
             f"{supervision.dead_text(dead)} too. Run %dist_restart --ranks {also}."
         )
     # the replaced ranks' engines may still count the task they died in: not asked
     stuck = supervision.stuck_ranks(s, settle=STUCK_SETTLE_S, ranks=sorted(others))
     if stuck:
         raise DistUsageError(
-            f"Cannot replace {rank_label(sorted(ranks))[1:-1]}: {rank_label(stuck)[1:-1]} "
+            f"Cannot replace {named}: {rank_label(stuck)[1:-1]} "
             "still running earlier code (see %dist_stacks); wait, interrupt it, or run "
             "%dist_restart --hard."
         )
@@ -95,10 +96,9 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
         infos = s.engines.client.gather(pending, what="replace", timeout=s.plan.timeout + 60)
     except (DistCellError, DistUsageError) as e:
         why = e.summary if isinstance(e, DistCellError) else str(e)
-        s.book.groups_broken(f"replacing {rank_label(sorted(ranks))[1:-1]} failed", HARD_FIX)
+        s.book.groups_broken(f"replacing {named} failed", HARD_FIX)
         raise DistCellError(
-            f"Replacing {rank_label(sorted(ranks))[1:-1]} failed while {step}: {why}. "
-            f"{HARD_RESTART}",
+            f"Replacing {named} failed while {step}: {why}. {HARD_RESTART}",
             getattr(e, "report", ""),
             getattr(e, "ranks", []),
         ) from None
