@@ -146,3 +146,35 @@ def test_a_rank_writes_its_trace_and_its_part_of_the_merged_one(tmp_path):
     remote = profiling.write(3, None, 5.5, 0)
     assert remote["trace"] == text and json.loads(f"[{remote['fragment']}]")[0]["ts"] == 15.5
     assert "done" not in profiling._state
+
+
+def _plant_cell_folder(path: str, forged: str) -> str:
+    os.mkdir(path, 0o777)
+    return "planted"
+
+
+@needs_root
+def test_a_debugged_cells_source_is_never_written_into_a_folder_another_user_made():
+    """The debugger writes a rank's cell text where ipykernel compiles it
+    (/tmp/ipykernel_<pid>, engine/rank_debug.cell_file): a name every user can predict
+    and make first. Made by uid 65534, it is refused in one line; nothing is written."""
+    from ipykernel.compiler import get_tmp_directory
+
+    from infini_notebook.engine import rank_debug
+
+    folder = get_tmp_directory()
+    if os.path.exists(folder):
+        pytest.skip(f"{folder} exists already")
+    assert as_other(_plant_cell_folder, folder, "x") == "planted"
+    try:
+        with pytest.raises(DistUsageError, match="belongs to uid 65534"):
+            rank_debug.cell_file("x = 1\n", "%%dist\nx = 1\n")
+        assert os.listdir(folder) == []
+    finally:
+        as_other(os.rmdir, folder)
+    path = rank_debug.cell_file("x = 1\n", "%%dist\nx = 1\n")  # its own folder: written
+    try:
+        assert open(path).read() == "%%dist\nx = 1\n"
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    finally:
+        shutil.rmtree(os.path.dirname(path))

@@ -61,11 +61,9 @@ def cell_file(body: str, text: str) -> str:
     as ipykernel's own ``dumpCell`` knows. Returns the path."""
     from ipykernel.compiler import get_file_name, get_tmp_directory
 
-    os.makedirs(get_tmp_directory(), mode=0o700, exist_ok=True)
-    path = get_file_name(body)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    from .own_files import write_text
+
+    folder = get_tmp_directory()  # /tmp/ipykernel_<pid>: one another user could make first
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    # through a directory fd checked to be ours, an O_EXCL|O_NOFOLLOW temporary renamed
+    return write_text(folder, os.path.basename(get_file_name(body)), text)
