@@ -5,9 +5,11 @@ token ($INFINI_NOTEBOOK_MCP_TOKEN, else a random one printed to stderr)."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
+import traceback
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     driver = Driver()
     server = build(driver)
+    code = 0
     try:
         if args.http:
             import anyio
@@ -46,8 +49,22 @@ def main(argv: list[str] | None = None) -> None:
             anyio.run(serve, server, args.host, args.port, os.environ.get(TOKEN_ENV))
         else:
             server.run("stdio")  # the SDK points fd 1 at stderr while it serves on a copy of it
+    except SystemExit as e:  # SIGTERM, or the SDK's own exit
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     finally:
-        driver.close()  # a call still waiting on a cell returns: the process can exit
+        driver.close()  # a call still waiting on a cell returns
+        # The session's stop (atexit) now, then out without the interpreter's finalization:
+        # a call abandoned on a worker thread may still be inside torch, and tearing the
+        # interpreter down under it aborted the server (SIGABRT) on a fresh clone.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
