@@ -217,6 +217,58 @@ del _p
 FAULT_TIMINGS: dict[str, float] = {}
 
 
+# The suite runs on two workers (pytest-xdist, ``-n 2`` in pytest's addopts): about 40 % of
+# two cores sit idle while ranks start, kernels restart and cells wait out injected sleeps
+# and timeouts. A module runs whole on one worker (its kernel and session are shared by its
+# tests, as on one process), and the modules below share one worker and run in turn: each
+# lists or ends *every* kept session of the user, which another module's would disturb.
+ONE_WORKER = {
+    "test_keep", "test_keep_life", "test_keep_output", "test_mcp", "test_private_place",
+    "test_viz",
+}  # fmt: skip
+# The slowest first (from ``--durations``): the last unit to start sets the run's tail.
+FIRST = [
+    "kept", "test_notebooks", "test_faults", "test_multinode", "test_export", "test_browser",
+    "test_store_attacks", "test_template", "test_runtime", "test_store_watch",
+]  # fmt: skip
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, or "kept" (ONE_WORKER)."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "kept" if module in ONE_WORKER else module
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with our units as scopes. (Its ``loadgroup`` marks a test's
+    group by rewriting ``item._nodeid``, which pytest 9.2 no longer reads: the groups were
+    silently ignored and modules' fixtures set up on both workers at once.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {g: i for i, g in enumerate(FIRST)}
+    items.sort(key=lambda it: rank.get(unit_of(it.nodeid), len(FIRST)))  # stable: order kept
+
+
+def pytest_sessionfinish(session):
+    """A worker's fault timings go to the controller (its terminal summary shows them)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fault_timings"] = dict(FAULT_TIMINGS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    FAULT_TIMINGS.update(getattr(node, "workeroutput", {}).get("fault_timings", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     if not FAULT_TIMINGS:
         return

@@ -99,6 +99,9 @@ class TwoHosts:
             text=True,
             timeout=60,
         )
+        # ssh's own failures (255) are the test's, not the command's: say them
+        # ssh's own failures (255) are the test's, not the command's: say them
+        assert out.returncode != 255, f"ssh {addr}: {out.stderr}"
         return out.stdout
 
     @property
@@ -248,6 +251,7 @@ def test_two_host_ssh_session(hosts):
         now = ast.literal_eval(text_of(k.run(pids)))
         assert now[:3] == kept and now[3] not in kept, (kept, now)  # the others stayed
         assert now[3] in hosts.pids_in(hosts.names[1])  # the new rank 3 runs on host b
+        _the_debugger_reaches_a_rank_on_the_other_host(k, hosts)
         k.run("%dist_stop", timeout=120)
         deadline = time.time() + 20
         while time.time() < deadline:
@@ -398,6 +402,38 @@ def _autoreload_reaches_the_other_hosts(k, hosts: TwoHosts) -> None:
     finally:
         k.run(f"os.chdir({REPO_ROOT!r})")
         shutil.rmtree(nb)
+
+
+def _the_debugger_reaches_a_rank_on_the_other_host(k, hosts: TwoHosts) -> None:
+    """Issue 52: JupyterLab's debugger pauses rank 3 on host b, over its signed relay on the
+    address host b reaches the kernel by (its own loopback is another host's)."""
+    from test_rank_debugger import Lab
+
+    lab = Lab(k.client.km.connection_file)
+    try:
+        lab.start()
+        cell = "%%dist --ranks 3\nx = rank * 2\ny = x + 1\nprint('y', y)\n"
+        path = lab.break_at(cell, 3)
+        msg_id = lab.kc.execute(cell)
+        tid = lab.event("stopped", reason="breakpoint", timeout=60)["body"]["threadId"]
+        threads = {t["id"]: t["name"] for t in lab.request("threads")["body"]["threads"]}
+        assert threads[tid] == "rank 3", threads
+        frame = lab.top(tid)
+        assert frame["line"] == 3 and frame["source"]["path"] == path, frame
+        assert lab.locals(frame["id"])["x"] == "6"
+        lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+        assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
+        assert lab.reply(msg_id)["status"] == "ok"
+        assert "[rank 3] y 7" in lab.streams.get(msg_id, "")
+        relay = text_of(
+            k.run(
+                "%%dist --ranks 3\nfrom infini_notebook.engine import rank_debug\n"
+                "print(*rank_debug._state['relay'].endpoint)"
+            )
+        )
+        assert f"[rank 3] {hosts.addrs[1]} " in relay, relay  # not 127.0.0.1 of host b
+    finally:
+        lab.stop()
 
 
 def _descendants(pids: set[int]) -> set[int]:

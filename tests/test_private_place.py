@@ -7,6 +7,9 @@ a world-writable folder without the sticky bit. No ranks here: fake session fold
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
+import tempfile
 import os
 import stat
 import time
@@ -24,8 +27,17 @@ from infini_notebook.launch.watchdog import FOLDER_PREFIX, MARK
 
 
 @pytest.fixture
-def place(tmp_path, monkeypatch):
-    path = tmp_path / "place"
+def short_tmp():
+    """A folder with a short path: a session's socket lives under the place, and pytest's
+    own (under xdist: /tmp/pytest-of-root/pytest-N/popen-gw0/test_name0) is too long."""
+    path = tempfile.mkdtemp(prefix="pp", dir="/tmp")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def place(short_tmp, monkeypatch):
+    path = short_tmp / "place"
     monkeypatch.setenv(private_place.ENV, str(path))
     return path
 
@@ -302,9 +314,10 @@ def test_the_template_socket_is_checked_before_any_request(tmp_path):
     server.close()
 
 
-def test_the_place_is_made_0700_all_the_way_whatever_the_umask(tmp_path, monkeypatch):
+def test_the_place_is_made_0700_all_the_way_whatever_the_umask(short_tmp, monkeypatch):
     """With a group-writable umask (002, a common default) the folders made on the way were
     0775, and every later use of the place was refused as writable by others."""
+    tmp_path = short_tmp
     monkeypatch.setenv(private_place.ENV, str(tmp_path / "a" / "b" / "p"))
     old = os.umask(0o002)
     try:

@@ -321,27 +321,66 @@ def test_the_body_a_dist_cell_sends():
     assert dist_body("x = 1") is None
 
 
-def test_dist_debugpy_prints_an_attach_configuration_for_one_rank(kernel, lab):
+def _plain_dap(host: str, port: int) -> dict:
+    """What a DAP client gets from ``host:port``: what it was told first, then what it got
+    for an initialize (b"" once the other end closed)."""
+    import socket
+
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.settimeout(3)
+        try:
+            first = conn.recv(200)
+        except TimeoutError:
+            first = b""
+        init = b'{"seq": 1, "type": "request", "command": "initialize"'
+        init += b', "arguments": {"adapterID": "debugpy"}}'
+        try:
+            conn.sendall(b"Content-Length: %d\r\n\r\n" % len(init) + init)
+            conn.settimeout(5)
+            reply = conn.recv(1 << 16)
+        except OSError as e:
+            reply = repr(e).encode()
+    return {"first": first.decode(errors="replace"), "reply": reply.decode(errors="replace")}
+
+
+def test_dist_debugpy_bridges_an_editor_of_this_user_only(kernel, lab):
+    """%dist_debugpy: a loopback port of the kernel's, bridged to the rank's relay. An
+    editor of ours gets DAP answers; uid 65534, at that port or at the rank's relay (which
+    every local user can find in /proc/net/tcp), gets nothing but a closed connection."""
     import json
 
     import psutil
 
     from tests.conftest import text_of
+    from tests.other_user import as_other
 
     config = json.loads(text_of(kernel.run("%dist_debugpy --rank 1")))
     assert config["request"] == "attach" and config["name"] == "rank 1"
-    assert config["connect"]["host"] == "127.0.0.1"
-    # the port is a debugpy adapter's, and rank 0's is another
+    host, port = config["connect"]["host"], config["connect"]["port"]
+    assert host == "127.0.0.1"
     listeners = {
         c.laddr.port: c.pid
         for c in psutil.net_connections("tcp")
         if c.status == psutil.CONN_LISTEN and c.pid
     }
-    adapter = psutil.Process(listeners[config["connect"]["port"]]).cmdline()
-    assert "debugpy/adapter" in " ".join(adapter), adapter
+    assert listeners[port] == kernel.kernel_pid  # the kernel's bridge, not a rank's port
     other = json.loads(text_of(kernel.run("%dist_debugpy --rank 0")))
-    assert other["connect"]["port"] != config["connect"]["port"]
+    assert other["connect"]["port"] != port
     assert config["pathMappings"][0]["remoteRoot"] == REPO_ROOT
+    ours = _plain_dap(host, port)  # the editor: DAP answers come from rank 1's debugger
+    assert '"command": "initialize"' in ours["reply"] and '"success": true' in ours["reply"]
+    relay = text_of(
+        kernel.run(
+            "%%dist --ranks 1\nfrom infini_notebook.engine import rank_debug\n"
+            "print(*rank_debug._state['relay'].endpoint)"
+        )
+    ).split()[-2:]
+    if os.geteuid() != 0:  # no second user to attack as
+        return
+    for target in ((host, port), (relay[0], int(relay[1]))):
+        got = as_other(_plain_dap, *target)
+        assert got.get("reply") == "" or "Error" in got.get("reply", ""), (target, got)
+        assert '"success"' not in json.dumps(got), (target, got)
 
 
 def test_four_ranks_stop_and_step_apart(kernel, lab):

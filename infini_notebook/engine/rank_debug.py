@@ -1,38 +1,37 @@
-"""A rank's side of JupyterLab's debugger (issue 52): debugpy listening on loopback, and the
-source files its breakpoints need. Runs inside each engine; the kernel's proxy
-(kernel/debug_proxy.py) talks the Debug Adapter Protocol to it.
+"""A rank's side of JupyterLab's debugger (issue 52): its debugger behind a signed relay, and
+the source files its breakpoints need. Runs inside each engine; the kernel's proxy
+(kernel/debug_proxy.py) talks the Debug Adapter Protocol to it through the relay
+(engine/dap_relay.py, core/dap_frames.py), never to a port that answers anyone.
 
-debugpy ships with ipykernel. ``debugpy.listen`` (debugpy/public_api.py) starts its adapter
-process and returns the port clients attach to; once a client attached, pydevd traces the
-rank's threads. Threads of our own (rank services, ipykernel's and ipyparallel's) are
-marked as pydevd's own (``is_pydev_daemon_thread``, read by ``PyDB`` in pydevd.py when it
-suspends "all" threads, and ``pydev_do_not_trace``): while the cell's thread is paused at a
-breakpoint they keep answering the kernel (stacks, waits, telemetry, heartbeats).
+Once a client attached, pydevd traces the rank's threads. Threads of our own (rank services,
+ipykernel's and ipyparallel's) are marked as pydevd's own (``is_pydev_daemon_thread``, read
+by ``PyDB`` in pydevd.py when it suspends "all" threads, and ``pydev_do_not_trace``): while
+the cell's thread is paused at a breakpoint they keep answering the kernel (stacks, waits,
+telemetry, heartbeats).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
-_state: dict = {}  # "endpoint": (host, port) once listening
+_state: dict = {}  # "relay": the Relay once started
 
 
-def listen() -> dict:
-    """Start debugpy on loopback (once per process); where to attach and how this rank
-    names its cells' files (ipykernel's compiler: its tmp folder + a hash of the code)."""
+def listen(key: str, toward: str) -> dict:
+    """Start this rank's debugger behind its relay (once per process), on loopback, or on
+    the address by which this host reaches ``toward`` (the kernel's store host) for a rank
+    of another host; where to link and how this rank names its cells' files (ipykernel's
+    compiler: its tmp folder + a hash of the code)."""
     from ipykernel.compiler import get_tmp_directory
 
-    if "endpoint" not in _state:
-        import debugpy
+    from . import dap_relay
 
+    if "relay" not in _state:
         _spare_service_threads()
-        # a process the cell starts (a DataLoader's workers, a subprocess) runs undebugged:
-        # under debugpy's default it would wait for a client that never comes
-        # (kernel/debug_proxy.no_child_debugging says how)
-        debugpy.configure(subProcess=False)
-        _state["endpoint"] = debugpy.listen(("127.0.0.1", 0))
-    host, port = _state["endpoint"]
+        _state["relay"] = dap_relay.Relay(key, address_toward(toward))
+    host, port = _state["relay"].endpoint
     return {
         "host": host,
         "port": int(port),
@@ -41,6 +40,15 @@ def listen() -> dict:
         "prefix": get_tmp_directory() + os.sep,
         "main_thread": threading.main_thread().name,
     }
+
+
+def address_toward(host: str) -> str:
+    """This host's own address on the route to ``host`` (loopback for a local kernel):
+    a UDP socket's connect sends nothing, it only picks the route."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(addr)
+        return probe.getsockname()[0]
 
 
 def _spare_service_threads() -> None:

@@ -14,15 +14,15 @@ requests routed by core/dap_ids.py; a ``%%dist`` cell's source (the path Jupyter
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 
 from ..core import dap_ids
+from .dap_link import REPLY_TIMEOUT as _REPLY_TIMEOUT
+from .dap_link import DapConnection
 
 log = logging.getLogger("infini_notebook")
 
-_REPLY_TIMEOUT = 15.0  # seconds a rank's debugpy may take to answer one request
 # Requests that act on a thread, frame or variable: sent to the rank that owns the id
 _ROUTED = frozenset(
     {
@@ -120,75 +120,6 @@ def mark_paused(rows: list) -> list:
     return [
         replace(r, state="paused") if r.rank in paused and r.state == "busy" else r for r in rows
     ]
-
-
-class DapConnection:
-    """A DAP client over TCP to one rank's debugpy: Content-Length framed JSON, as
-    ipykernel's ``DebugpyMessageQueue`` reads it. Runs on the control thread's loop."""
-
-    def __init__(self, rank: int, on_event):
-        self.rank, self.on_event = rank, on_event
-        self.seq = 0
-        self.pending: dict[int, asyncio.Future] = {}
-        self.initialized = asyncio.Event()
-        self.reader = self.writer = self.task = None
-
-    async def open(self, host: str, port: int) -> None:
-        self.reader, self.writer = await asyncio.open_connection(host, port)
-        self.task = asyncio.ensure_future(self._read())
-
-    @property
-    def alive(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    def send(self, command: str, arguments: dict | None = None) -> asyncio.Future:
-        self.seq += 1
-        msg = {"seq": self.seq, "type": "request", "command": command}
-        if arguments is not None:
-            msg["arguments"] = arguments
-        data = json.dumps(msg).encode()
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[self.seq] = fut
-        self.writer.write(b"Content-Length: %d\r\n\r\n" % len(data) + data)
-        return fut
-
-    async def request(self, command: str, arguments: dict | None = None) -> dict:
-        return await asyncio.wait_for(self.send(command, arguments), _REPLY_TIMEOUT)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                length = 0
-                while True:
-                    line = await self.reader.readline()
-                    if not line:
-                        return
-                    line = line.strip()
-                    if not line:
-                        break
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                msg = json.loads(await self.reader.readexactly(length))
-                if msg.get("type") == "response":
-                    fut = self.pending.pop(msg.get("request_seq"), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
-                elif msg.get("type") == "event":
-                    if msg.get("event") == "initialized":
-                        self.initialized.set()
-                    self.on_event(self.rank, msg)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
-            log.debug("rank %s debugpy connection ended: %r", self.rank, e)
-        finally:
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionError(f"rank {self.rank}'s debugger left"))
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.task is not None:
-            self.task.cancel()
 
 
 class RankLink:
@@ -391,7 +322,7 @@ class DebugProxy:
         the kernel's own debugpy (``_handle_init_sequence``): debugpy answers the attach
         only after configurationDone, which waits for its 'initialized' event."""
         conn = DapConnection(rank, self._on_rank_event)
-        await conn.open(info["host"], info["port"])
+        await conn.open(info["host"], info["port"], self.current().rendezvous.mac_key)
         link = RankLink(rank, conn, info)
         await conn.request(
             "initialize",
@@ -501,24 +432,26 @@ class DebugProxy:
 
 
 def attach_config(session, rank: int) -> dict:
-    """A VS Code "attach" configuration for one rank's debugpy (started there now if it is
-    not yet): ``%dist_debugpy --rank 1``. Modules map from the kernel's folder to the
-    rank's; a cell compiles to the rank's own temporary file, which the editor opens as
-    debugpy shows it."""
-    if not 0 <= rank < session.world_size:
-        from ..core.errors import DistUsageError
+    """A VS Code "attach" configuration for one rank (``%dist_debugpy --rank 1``): a
+    loopback port of the kernel's, bridged to the rank's debugger (started there now if it
+    is not yet) over its signed relay (kernel/debugpy_bridge.py). Modules map from the
+    kernel's folder to the rank's; a cell compiles to the rank's own temporary file, which
+    the editor opens as the debugger shows it."""
+    from ..core.errors import DistUsageError
+    from . import debugpy_bridge
 
+    if not 0 <= rank < session.world_size:
         raise DistUsageError(f"No rank {rank}: the session has ranks 0-{session.world_size - 1}.")
     info = _listen_on(session, [rank])[rank]
     if isinstance(info, str):
-        from ..core.errors import DistUsageError
-
-        raise DistUsageError(f"rank {rank} did not start debugpy ({info}); is it in a cell?")
+        raise DistUsageError(f"rank {rank} did not start its debugger ({info}); is it in a cell?")
+    relay = (info["host"], info["port"])
+    host, port = debugpy_bridge.bridge(relay, session.rendezvous.mac_key, rank)
     return {
         "name": f"rank {rank}",
         "type": "debugpy",
         "request": "attach",
-        "connect": {"host": info["host"], "port": info["port"]},
+        "connect": {"host": host, "port": port},
         "pathMappings": [{"localRoot": os.getcwd(), "remoteRoot": info["cwd"]}],
         "justMyCode": True,
     }
@@ -566,7 +499,8 @@ def _listen_on(session, ranks: list[int]) -> dict:
     ``{rank: why not}`` for a rank that did not answer (busy in a long cell, say)."""
     from ..engine import rank_debug
 
-    return _apply(session, ranks, rank_debug.listen)
+    key, (toward, _) = session.rendezvous.mac_key, session.rendezvous.address
+    return _apply(session, ranks, rank_debug.listen, key, toward)
 
 
 def _write_cell_file(session, rank: int, body: str, code: str) -> str | None:

@@ -224,7 +224,7 @@ class CellWatch:
             targets,
             failed={r: "interrupted" for r in stopped if self.gone.get(r) == "failed"},
             released={
-                r: f"was waiting for {rank_label(n)[1:-1]}" for r, n in self.released.items()
+                r: f"was waiting for {rank_label(n)[1:-1]}" for r, n in self.waited_for().items()
             },
         )
         return "; ".join(parts) + ". " + recovery.rebuild_after_release(s)
@@ -398,8 +398,20 @@ class CellWatch:
         # is not among the ranks seen waiting, but must not go unmentioned.
         late = [r for r, why in self.gone.items() if why == "released" and r not in self.released]
         return waits.released_text(
-            self.released, self.released_waits, self.gone, self.cell_name, late
+            self.waited_for(), self.released_waits, self.gone, self.cell_name, late
         )
+
+    def waited_for(self) -> dict[int, list[int]]:
+        """Each released rank -> the ranks it waited for, named once the cell is over: at
+        the release only the first of them had left (Stop ends ranks 1-3 a few ms apart;
+        rank 0, waiting for all three, was released when rank 1 left), and which one was
+        first is the scheduler's choice, not news."""
+        causes = {g for g, why in self.gone.items() if why != "released"}
+        out = {}
+        for r, first in self.released.items():
+            needed = waits.waited_for(self.released_waits[r] or {}, self.gone)
+            out[r] = [g for g in needed if g in causes] or first
+        return out
 
 
 # How a wait ends when its peer is gone: gloo's closed or reset connection, NCCL's abort.
