@@ -7,11 +7,11 @@ a world-writable folder without the sticky bit. No ranks here: fake session fold
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
-import tempfile
-import os
 import stat
+import tempfile
 import time
 
 import psutil
