@@ -51,7 +51,7 @@ class DebugMagics(Magics):
         at a time: JupyterLab's debugger, while on, holds every rank's."""
         import json
 
-        from .kernel.debug_proxy import attach_config
+        from .kernel.rank_debuggers import attach_config
 
         rank = parse_argstring(self.dist_debugpy, line).rank
         print(json.dumps(attach_config(_session(), rank), indent=2))

@@ -321,6 +321,32 @@ def test_the_body_a_dist_cell_sends():
     assert dist_body("x = 1") is None
 
 
+def test_a_breakpoint_from_jupyterlabs_file_editor_pauses_the_ranks_in_that_module(
+    lab, tmp_path
+):
+    """JupyterLab's file editor sends a file's breakpoints as a cell's: dumpCell with the
+    editor's text, then setBreakpoints on the path it got back. The ranks that imported the
+    file stop there, and their frames name that path (the editor that set them)."""
+    folder = os.path.realpath(tmp_path)
+    name = f"dbg_file_{os.getpid()}"
+    with open(os.path.join(folder, f"{name}.py"), "w") as f:
+        f.write(MODULE)
+    setup = f"%%dist\nimport sys\nsys.path.insert(0, {folder!r})\nimport {name}\n"
+    assert lab.reply(lab.kc.execute(setup))["status"] == "ok"
+    path = lab.break_at(MODULE, 3)  # the editor's text, dumped as a cell
+    msg_id = lab.kc.execute(f"%%dist\nprint('got', rank, {name}.scaled(rank))\n")
+    stops = [lab.event("stopped", reason="breakpoint")["body"]["threadId"] for _ in range(2)]
+    for tid in stops:
+        frame = lab.top(tid)
+        assert frame["line"] == 3 and frame["source"]["path"] == path, frame
+        assert frame["name"].endswith(": scaled")
+    lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
+    assert lab.request("continue", {"threadId": 1})["body"]["allThreadsContinued"]
+    assert lab.reply(msg_id)["status"] == "ok"
+    out = lab.streams.get(msg_id, "")
+    assert "[rank 0] got 0 2" in out and "[rank 1] got 1 8" in out, out
+
+
 def _plain_dap(host: str, port: int) -> dict:
     """What a DAP client gets from ``host:port``: what it was told first, then what it got
     for an initialize (b"" once the other end closed)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 
 _state: dict = {}  # "relay": the Relay once started
@@ -75,3 +76,25 @@ def cell_file(body: str, text: str) -> str:
     os.makedirs(folder, mode=0o700, exist_ok=True)
     # through a directory fd checked to be ours, an O_EXCL|O_NOFOLLOW temporary renamed
     return write_text(folder, os.path.basename(get_file_name(body)), text)
+
+
+def files_with_text(text: str) -> list[str]:
+    """The source files with exactly ``text``: among the modules this rank imported and
+    the .py files of its working folder (JupyterLab's file editor sends only the text of the
+    file whose breakpoints it sets). Sizes first: a file is read only when its size fits."""
+    data = text.encode()
+    cwd = os.getcwd()
+    candidates = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    candidates += [os.path.join(cwd, n) for n in sorted(os.listdir(cwd)) if n.endswith(".py")]
+    out: list[str] = []
+    for path in dict.fromkeys(p for p in candidates if isinstance(p, str) and p.endswith(".py")):
+        try:
+            if os.stat(path).st_size != len(data):
+                continue
+            with open(path, "rb") as f:
+                same = f.read(len(data) + 1) == data
+        except OSError:
+            continue
+        if same and os.path.realpath(path) not in out:
+            out.append(os.path.realpath(path))
+    return out

@@ -18,6 +18,7 @@ import logging
 import os
 
 from ..core import dap_ids
+from . import rank_debuggers
 from .dap_link import REPLY_TIMEOUT as _REPLY_TIMEOUT
 from .dap_link import DapConnection
 
@@ -131,6 +132,7 @@ class RankLink:
         self.main_thread: int | None = None
         self.paths: dict[str, str] = {}  # this rank's file -> the kernel's (dumpCell's) path
         self.files: dict[str, str] = {}  # the kernel's path -> this rank's file
+        self.texts: dict[str, list[str]] = {}  # an editor's dumped path -> files with its text
         self.paused: set[int] = set()  # local thread ids
         self.names: dict[int, str] = {}
 
@@ -305,7 +307,7 @@ class DebugProxy:
         if not missing:
             return
         loop = asyncio.get_running_loop()
-        infos = await loop.run_in_executor(None, _listen_on, session, missing)
+        infos = await loop.run_in_executor(None, rank_debuggers.listen_on, session, missing)
         for rank, info in infos.items():
             if isinstance(info, str):
                 self.problem = info
@@ -349,8 +351,9 @@ class DebugProxy:
         target = path
         if code is not None:
             body = _dist_body(code)
-            if body is None:
-                return  # a plain cell: the kernel's alone
+            if body is None:  # a plain cell, or a file open in JupyterLab's editor
+                await self._file_breakpoints(link, path, code)
+                return
             target = link.files.get(path)
             if target is None:
                 loop = asyncio.get_running_loop()
@@ -358,7 +361,7 @@ class DebugProxy:
                 if session is None:
                     return
                 target = await loop.run_in_executor(
-                    None, _write_cell_file, session, link.rank, body, code
+                    None, rank_debuggers.write_cell_file, session, link.rank, body, code
                 )
                 if target is None:
                     return
@@ -369,6 +372,31 @@ class DebugProxy:
             {"source": {"path": target}, "breakpoints": self.breakpoints.get(path, [])}
             | {"sourceModified": False},
         )
+
+    async def _file_breakpoints(self, link: RankLink, path: str, code: str) -> None:
+        """JupyterLab's file editor sets a file's breakpoints as a cell's: on the path
+        dumpCell gave for the editor's text. On a rank they go on each source file with
+        that very text (a module it imported, a file of its working folder), whose frames
+        then show as that path, in that editor; a plain cell's text matches none."""
+        targets = link.texts.get(path)
+        if targets is None:
+            session = self.current()
+            if session is None:
+                return
+            loop = asyncio.get_running_loop()
+            find = rank_debuggers.files_with_text
+            targets = await loop.run_in_executor(None, find, session, link.rank, code)
+            if targets:  # none yet: perhaps not imported yet, looked for again next time
+                link.texts[path] = targets
+            for target in targets:
+                link.paths[target] = path
+        for target in targets:
+            await self._rank_request(
+                link,
+                "setBreakpoints",
+                {"source": {"path": target}, "breakpoints": self.breakpoints.get(path, [])}
+                | {"sourceModified": False},
+            )
 
     async def _rank_request(self, link: RankLink, command: str, arguments: dict) -> dict:
         try:
@@ -431,32 +459,6 @@ class DebugProxy:
         self.links.clear()
 
 
-def attach_config(session, rank: int) -> dict:
-    """A VS Code "attach" configuration for one rank (``%dist_debugpy --rank 1``): a
-    loopback port of the kernel's, bridged to the rank's debugger (started there now if it
-    is not yet) over its signed relay (kernel/debugpy_bridge.py). Modules map from the
-    kernel's folder to the rank's; a cell compiles to the rank's own temporary file, which
-    the editor opens as the debugger shows it."""
-    from ..core.errors import DistUsageError
-    from . import debugpy_bridge
-
-    if not 0 <= rank < session.world_size:
-        raise DistUsageError(f"No rank {rank}: the session has ranks 0-{session.world_size - 1}.")
-    info = _listen_on(session, [rank])[rank]
-    if isinstance(info, str):
-        raise DistUsageError(f"rank {rank} did not start its debugger ({info}); is it in a cell?")
-    relay = (info["host"], info["port"])
-    host, port = debugpy_bridge.bridge(relay, session.rendezvous.mac_key, rank)
-    return {
-        "name": f"rank {rank}",
-        "type": "debugpy",
-        "request": "attach",
-        "connect": {"host": host, "port": port},
-        "pathMappings": [{"localRoot": os.getcwd(), "remoteRoot": info["cwd"]}],
-        "justMyCode": True,
-    }
-
-
 def _response(message: dict, success: bool = True, body: dict | None = None, text: str = ""):
     out = {
         "type": "response",
@@ -492,33 +494,3 @@ def _dist_body(code: str) -> str | None:
     except Exception:  # not in IPython
         return None
     return dap_ids.dist_body(transformed)
-
-
-def _listen_on(session, ranks: list[int]) -> dict:
-    """debugpy listening on each rank (engine/rank_debug.listen): ``{rank: info}``, or
-    ``{rank: why not}`` for a rank that did not answer (busy in a long cell, say)."""
-    from ..engine import rank_debug
-
-    key, (toward, _) = session.rendezvous.mac_key, session.rendezvous.address
-    return _apply(session, ranks, rank_debug.listen, key, toward)
-
-
-def _write_cell_file(session, rank: int, body: str, code: str) -> str | None:
-    from ..engine import rank_debug
-
-    out = _apply(session, [rank], rank_debug.cell_file, body, code)[rank]
-    return None if isinstance(out, str) and not out.startswith("/") else out
-
-
-def _apply(session, ranks: list[int], fn, *args, timeout: float = 10.0) -> dict:
-    """``fn(*args)`` on each rank; a rank busy for longer than ``timeout`` (a cell that
-    runs) answers with why not, so the control thread never waits on a cell."""
-    with session.engines.client.lock:
-        pending = {r: session.engines.view(r).apply_async(fn, *args) for r in ranks}
-    out = {}
-    for rank, ar in pending.items():
-        try:
-            out[rank] = ar.get(timeout=timeout)
-        except Exception as e:  # a timeout, or the rank raised
-            out[rank] = f"{type(e).__name__}: {e}"
-    return out

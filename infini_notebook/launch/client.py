@@ -329,18 +329,21 @@ class Client:
         whose folder goes with it): the tracebacks are shown instead."""
         deadline = time.monotonic() + timeout
         out, errors, tracebacks = {}, {}, {}
-        for r, ar in pending.items():
-            while not ar.ready() and time.monotonic() < deadline:  # a dead controller: no reply
-                ar.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-                if not ar.ready() and not self.controller_running():
-                    raise DistCellError(f"{what}: {CONTROLLER_GONE}")
-            try:
-                out[r] = ar.get(timeout=0)
-            except Exception as e:
-                errors[r] = one_line(e)
-                tracebacks[r] = remote_traceback(e)
-        # return values can be big (a pulled tensor): nothing here keeps a copy
-        self.forget([m for ar in pending.values() for m in ar.msg_ids])
+        try:
+            for r, ar in pending.items():
+                while not ar.ready() and time.monotonic() < deadline:  # a dead controller
+                    ar.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                    if not ar.ready() and not self.controller_running():
+                        raise DistCellError(f"{what}: {CONTROLLER_GONE}")
+                try:
+                    out[r] = ar.get(timeout=0)
+                except Exception as e:
+                    errors[r] = one_line(e)
+                    tracebacks[r] = remote_traceback(e)
+        finally:  # also when interrupted (Stop during a pull): the client's history
+            # and results kept every interrupted call's entries for the session's life.
+            # Return values can be big (a pulled tensor): nothing here keeps a copy.
+            self.forget([m for ar in pending.values() for m in ar.msg_ids])
         if errors:
             where = self._log_tracebacks(what, tracebacks) if log else None
             lines = "".join(f"{rank_label([r])} {errors[r]}\n" for r in sorted(errors))
