@@ -321,9 +321,7 @@ def test_the_body_a_dist_cell_sends():
     assert dist_body("x = 1") is None
 
 
-def test_a_breakpoint_from_jupyterlabs_file_editor_pauses_the_ranks_in_that_module(
-    lab, tmp_path
-):
+def test_a_breakpoint_from_jupyterlabs_file_editor_pauses_the_ranks_in_that_module(lab, tmp_path):
     """JupyterLab's file editor sends a file's breakpoints as a cell's: dumpCell with the
     editor's text, then setBreakpoints on the path it got back. The ranks that imported the
     file stop there, and their frames name that path (the editor that set them)."""
