@@ -355,7 +355,13 @@ def destroy_aborted() -> None:
 
 def reinit_distributed(attempt: int, attempt_key: str, peer_lost: bool = False) -> dict:
     """New process groups under ``attempt``. ``peer_lost``: a rank is being replaced; its
-    NCCL communicators are aborted, not destroyed (a destroy may wait on the dead peer)."""
+    NCCL communicators are aborted, not destroyed (a destroy may wait on the dead peer).
+
+    Not ``dist.shrink_group`` (torch 2.13, distributed_c10d.py ``shrink_group``): it returns
+    a *smaller* group of the ranks that stay, renumbered, and shrinking the default group
+    destroys every other group; torch 2.13 binds no grow (``ncclCommGrow``) to bring a new
+    rank in. A replaced rank keeps its number and the layout its size, so the communicators
+    are made anew (issue 51)."""
     cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
     import torch.distributed as dist
