@@ -55,6 +55,13 @@ class DebugMagics(Magics):
 
         rank = parse_argstring(self.dist_debugpy, line).rank
         print(json.dumps(attach_config(_session(), rank), indent=2))
+        print(
+            f'In VS Code: add this to .vscode/launch.json\'s "configurations", then Run and '
+            f'Debug > "rank {rank}". The port is this kernel\'s (your user only) and lasts '
+            "while it runs; run this again after %dist_restart --hard. Attaching takes the "
+            f"rank from JupyterLab's debugger. Breakpoints: in module files; a %%dist cell "
+            f"compiles to rank {rank}'s own file, which VS Code opens when the rank stops there."
+        )
 
     @magic_arguments()
     @argument("name", help="a tensor, module, optimizer, state dict or container on each rank")

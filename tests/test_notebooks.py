@@ -63,7 +63,7 @@ MASKS = [  # (pattern, replacement), applied in order to every line compared
     (re.compile(r"0x[0-9a-f]+"), "HEX"),
     (re.compile(r"[0-9a-f]{20,}"), "HASH"),
     (re.compile(r"(PORT=|127\.0\.0\.1:)\d+"), r"\1PORT"),
-    # %dist_debugpy's attach configuration: a rank's debugpy port (its folders: above)
+    # %dist_debugpy's attach configuration: the kernel's bridge port (its folders: above)
     (re.compile(r'("port": )\d+'), r"\1PORT"),
     (re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"), "TIME"),
     (re.compile(r"\b\d\d:\d\d:\d\d\b"), "CLOCK"),  # a time of day (the attach line's)
@@ -128,7 +128,7 @@ def cell_view(cell, mode: str = "exact") -> dict:
         else:
             data = out.get("data", {})
             text = ANSI.sub("", data.get("text/plain", ""))
-            if text.startswith("waiting "):  # where ranks wait: only on a machine slow enough
+            if text.startswith(("waiting ", "waited ")):  # only on a machine slow enough
                 continue
             displays.append((sorted(data), [mask(x, mode) for x in text.splitlines()]))
     return {

@@ -214,6 +214,9 @@ def test_a_paused_rank_is_said_paused_while_the_others_wait(lab):
     lab.request("setBreakpoints", {"breakpoints": [], "source": {"path": path}})
     lab.request("continue", {"threadId": 1})
     assert lab.reply(msg_id)["status"] == "ok"  # not released, not failed: it only waited
+    # the wait line, past: 'waiting 9 s' above the ranks' output read as still stuck
+    assert lab.displays[-1].startswith("waited "), lab.displays[-1]
+    assert "then every rank went on: rank 0 paused in the debugger" in lab.displays[-1]
     out = lab.streams.get(msg_id, "")
     assert "[rank 0] sum 3.0" in out and "[rank 1] sum 3.0" in out, out  # 2 + 1
 
@@ -378,7 +381,9 @@ def test_dist_debugpy_bridges_an_editor_of_this_user_only(kernel, lab):
     from tests.conftest import text_of
     from tests.other_user import as_other
 
-    config = json.loads(text_of(kernel.run("%dist_debugpy --rank 1")))
+    shown = text_of(kernel.run("%dist_debugpy --rank 1"))
+    config = json.loads(shown[: shown.rindex("}") + 1])
+    assert "launch.json" in shown.splitlines()[-1]  # what to do with it
     assert config["request"] == "attach" and config["name"] == "rank 1"
     host, port = config["connect"]["host"], config["connect"]["port"]
     assert host == "127.0.0.1"
@@ -388,7 +393,8 @@ def test_dist_debugpy_bridges_an_editor_of_this_user_only(kernel, lab):
         if c.status == psutil.CONN_LISTEN and c.pid
     }
     assert listeners[port] == kernel.kernel_pid  # the kernel's bridge, not a rank's port
-    other = json.loads(text_of(kernel.run("%dist_debugpy --rank 0")))
+    other = text_of(kernel.run("%dist_debugpy --rank 0"))
+    other = json.loads(other[: other.rindex("}") + 1])
     assert other["connect"]["port"] != port
     assert config["pathMappings"][0]["remoteRoot"] == REPO_ROOT
     ours = _plain_dap(host, port)  # the editor: DAP answers come from rank 1's debugger

@@ -57,6 +57,9 @@ def answer(key: str, relay_nonce: str, kernel_nonce: str) -> bytes:
     return _frame(signing.sign(key, f"dap hello {relay_nonce}", kernel_nonce))
 
 
+ANSWER_LEN = signing.TAG_LEN + 32  # the kernel's answer: a tag and a 16-byte hex nonce
+
+
 def check_answer(key: str, relay_nonce: str, body: bytes) -> str:
     """The kernel's nonce from its answer (``body``: the frame without its length)."""
     nonce = signing.verify(key, f"dap hello {relay_nonce}", body)
@@ -114,8 +117,8 @@ def split_dap(buffer: bytes) -> tuple[list[bytes], bytes]:
         for line in buffer[:end].split(b"\r\n"):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None or length > MAX_FRAME:
+                length = int(value) if value.strip().isdigit() else -1
+        if length is None or not 0 <= length <= MAX_FRAME:
             raise BadFrame("a DAP header without a usable Content-Length")
         if len(buffer) < end + 4 + length:
             return out, buffer

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
+import time
 
 import psutil
 
@@ -29,6 +31,7 @@ from ..core import dap_frames
 log = logging.getLogger("infini_notebook")
 
 HANDSHAKE_S = 5.0  # a connection that has not proven itself by then is closed
+HANDSHAKES = 64  # unproven connections at once (a thread each); more are closed as they come
 PYDEVD_S = 30.0  # pydevd's connection to us, after debugpy.connect started
 DETACH_SEQ = 1 << 30  # the disconnect the relay sends itself: a number no client uses
 
@@ -42,6 +45,7 @@ class Relay:
         self.link: socket.socket | None = None
         self.out: dap_frames.Direction | None = None  # frames to the kernel
         self.pydevd = _connect_pydevd()
+        self.unproven = threading.BoundedSemaphore(HANDSHAKES)
         self.server = socket.create_server((host, 0))
         self.endpoint = self.server.getsockname()[:2]
         _daemon(self._from_pydevd, "infini-dap-pydevd")
@@ -49,21 +53,36 @@ class Relay:
 
     # ----- the kernel's side --------------------------------------------------------------
     def _accept(self) -> None:
+        """Never ends: a failed accept (out of file descriptors while someone floods the
+        port) waits a moment and goes on, and at most HANDSHAKES connections are being
+        proven at once (each for HANDSHAKE_S at most), so a flood costs neither the
+        kernel's link nor the rank's memory."""
         while True:
-            conn, _ = self.server.accept()
+            try:
+                conn, _ = self.server.accept()
+            except OSError as e:
+                log.info("debugger relay: accept: %s", e)
+                time.sleep(0.1)
+                continue
+            if not self.unproven.acquire(blocking=False):
+                _close(conn)
+                continue
             _daemon(lambda c=conn: self._handshake(c), "infini-dap-link")
 
     def _handshake(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HANDSHAKE_S)
             relay_nonce = dap_frames.new_nonce()
+            conn.settimeout(HANDSHAKE_S)
             conn.sendall(dap_frames.hello(relay_nonce))
-            kernel_nonce = dap_frames.check_answer(self.key, relay_nonce, _read_frame(conn))
+            answer = _read_answer(conn, time.monotonic() + HANDSHAKE_S)
+            kernel_nonce = dap_frames.check_answer(self.key, relay_nonce, answer)
             conn.settimeout(None)
         except (OSError, dap_frames.BadFrame) as e:
             log.info("debugger relay: refused a connection: %s", e)
-            conn.close()
+            _close(conn)
             return
+        finally:
+            self.unproven.release()
         inbound = dap_frames.Direction(self.key, relay_nonce, kernel_nonce, dap_frames.TO_RANK)
         with self.lock:
             old, self.link = self.link, conn
@@ -164,6 +183,9 @@ def _answers_our_detach(message: bytes) -> bool:
 
 def _connect_pydevd() -> socket.socket:
     """pydevd connected to a loopback socket of ours (its only way in or out)."""
+    # pydevd's warning that frozen stdlib modules may miss breakpoints, on the rank's
+    # stderr (read as pydevd_constants is imported): about the stdlib's frames only
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     import debugpy
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -185,13 +207,23 @@ def _connect_pydevd() -> socket.socket:
 
 
 def _own(conn: socket.socket) -> bool:
-    """Whether the other end of ``conn`` is a socket of this process."""
-    peer, here = conn.getpeername()[:2], conn.getsockname()[:2]
+    """Whether the other end of ``conn`` is a socket of this process (False for one
+    already reset by its other end)."""
     try:
+        peer, here = conn.getpeername()[:2], conn.getsockname()[:2]
         mine = psutil.Process().net_connections("tcp")
-    except psutil.Error:
+    except (OSError, psutil.Error):
         return False
     return any(c.raddr and tuple(c.laddr) == peer and tuple(c.raddr) == here for c in mine)
+
+
+def _read_answer(conn: socket.socket, deadline: float) -> bytes:
+    """The kernel's answer to the hello: exactly its size, all of it before ``deadline``
+    (a byte every few seconds does not keep a connection unproven for longer)."""
+    header = _read_exactly(conn, dap_frames.HEADER, deadline)
+    if dap_frames.frame_length(header) != dap_frames.ANSWER_LEN:
+        raise dap_frames.BadFrame("an answer to the hello of another size")
+    return _read_exactly(conn, dap_frames.ANSWER_LEN, deadline)
 
 
 def _read_frame(conn: socket.socket) -> bytes:
@@ -206,9 +238,14 @@ def _read_line(conn: socket.socket, limit: int = 100) -> bytes:
     return line
 
 
-def _read_exactly(conn: socket.socket, n: int) -> bytes:
+def _read_exactly(conn: socket.socket, n: int, deadline: float | None = None) -> bytes:
     data = b""
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("too slow")
+            conn.settimeout(left)
         chunk = conn.recv(n - len(data))
         if not chunk:
             raise ConnectionError("the link closed")

@@ -73,6 +73,11 @@ def cell_file(body: str, text: str) -> str:
     from .own_files import write_text
 
     folder = get_tmp_directory()  # /tmp/ipykernel_<pid>: one another user could make first
+    from .remote_start import refuse_shared_tmp
+
+    # in a TMPDIR others may write without the sticky bit, they could rename our folder
+    # and put their text where the debugger and tracebacks read the cell: refused
+    refuse_shared_tmp(os.path.dirname(folder))
     os.makedirs(folder, mode=0o700, exist_ok=True)
     # through a directory fd checked to be ours, an O_EXCL|O_NOFOLLOW temporary renamed
     return write_text(folder, os.path.basename(get_file_name(body)), text)

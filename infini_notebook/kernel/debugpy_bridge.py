@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from ..engine import dap_relay
 
@@ -38,20 +39,36 @@ def bridge(relay: tuple[str, int], key: str, rank: int) -> tuple[str, int]:
 
 
 def _serve(server: socket.socket, relay: tuple[str, int], key: str) -> None:
+    """Never ends while the kernel runs (a connection reset before it is looked at, a
+    failed accept: the next one is served): a bridge that stopped would leave its port to
+    be taken by another user, and handed out again."""
     while True:
-        editor, _ = server.accept()
-        if peer_uid(editor) != os.getuid():
-            log.warning("%%dist_debugpy: refused a connection from another user")
-            editor.close()
+        try:
+            editor, _ = server.accept()
+        except OSError as e:
+            log.info("%%dist_debugpy: accept: %s", e)
+            time.sleep(0.1)
             continue
         try:
-            link = dap_relay.Link(relay, key)
-        except (OSError, ValueError) as e:
-            log.warning("%%dist_debugpy: the rank's relay: %s", e)
+            _serve_one(editor, relay, key)
+        except OSError as e:
+            log.info("%%dist_debugpy: %s", e)
             editor.close()
-            continue
-        threading.Thread(target=_pump_out, args=(editor, link), daemon=True).start()
-        threading.Thread(target=_pump_in, args=(editor, link), daemon=True).start()
+
+
+def _serve_one(editor: socket.socket, relay: tuple[str, int], key: str) -> None:
+    if peer_uid(editor) != os.getuid():
+        log.warning("%%dist_debugpy: refused a connection from another user")
+        editor.close()
+        return
+    try:
+        link = dap_relay.Link(relay, key)
+    except (OSError, ValueError) as e:
+        log.warning("%%dist_debugpy: the rank's relay: %s", e)
+        editor.close()
+        return
+    threading.Thread(target=_pump_out, args=(editor, link), daemon=True).start()
+    threading.Thread(target=_pump_in, args=(editor, link), daemon=True).start()
 
 
 def _pump_out(editor: socket.socket, link: dap_relay.Link) -> None:
@@ -78,9 +95,12 @@ def peer_uid(conn: socket.socket) -> int | None:
     """The uid owning the other end of a loopback TCP connection (IPv4), from the kernel's
     table: ``/proc/net/tcp`` rows are ``sl local rem st ... uid``, addresses as hex
     ``IP:PORT`` with the IPv4 address in host (little-endian) byte order."""
-    ip, port = conn.getpeername()[:2]
+    try:
+        ip, port = conn.getpeername()[:2]
+        here = conn.getsockname()
+    except OSError:  # reset by its other end already
+        return None
     want = f"{socket.htonl(int.from_bytes(socket.inet_aton(ip), 'big')):08X}:{port:04X}"
-    here = conn.getsockname()
     back = f"{socket.htonl(int.from_bytes(socket.inet_aton(here[0]), 'big')):08X}:{here[1]:04X}"
     with open("/proc/net/tcp") as table:
         next(table)

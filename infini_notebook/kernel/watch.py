@@ -160,6 +160,7 @@ class CellWatch:
         """Once every rank left: the output that trails the replies (waited for while a rank
         owing it is alive), shown, then the whole output again in rank order."""
         self.cell.wait_for_trailing_output(supervision.liveness(self.s))
+        self._hang_is_over()
         self.cell.show(final=True)
         self.cell.render_final()
         for said in self.s.rendezvous.take_notices():  # tampering seen in the store: kept
@@ -384,6 +385,21 @@ class CellWatch:
         status = getattr(self.cell.printer, "status", None)  # optional for a user's printer
         if status is not None:
             self._handle = status(text, self._handle)
+
+    def _hang_is_over(self) -> None:
+        """A wait line shown while every rank then finished (a slow rank, a rank paused in
+        the debugger) says it in the past: 'waiting 21 s' above the ranks' output read as
+        a cell still stuck. Kept as it was where a rank failed: it says where they waited."""
+        status = getattr(self.cell.printer, "status", None)
+        if self._handle is None or status is None or not self.hang_shown:
+            return
+        if any(self.gone.get(r) != "finished" for r in self.cell.targets):
+            return
+        waited = time.monotonic() - self.started
+        _, _, where = self.hang_shown.partition(": ")
+        self._handle = status(
+            f"waited {waited:.0f} s, then every rank went on: {where}", self._handle
+        )
 
     def human_answered(self) -> None:
         """A prompt was answered (kernel/prompts.py): the ranks' time spent waiting for a

@@ -304,10 +304,10 @@ CELLS = [
     """),
     md("""
     An editor's debugger (VS Code) can attach to one rank instead: `%dist_debugpy --rank 1`
-    starts debugpy on that rank (on loopback) and prints the `attach` configuration to put in
-    `launch.json`. debugpy takes one client at a time, so switch JupyterLab's debugger off
-    first. Ranks on another host are not reached this way yet (debugpy listens on loopback
-    there; an ssh tunnel to the printed port reaches it).
+    prints the `attach` configuration to put in `launch.json`. Its port is the kernel's, on
+    loopback, bridged to the rank's debugger over the session's signed link, and it lets in
+    your own user only; ranks on other hosts are reached the same way. One debugger drives
+    a rank at a time: attaching takes the rank from JupyterLab's.
     """),
     code("%dist_debugpy --rank 1"),
     code("%dist_stop"),
