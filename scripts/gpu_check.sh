@@ -31,7 +31,8 @@ versions=$("$py" -c "import torch; print(torch.__version__, torch.version.cuda, 
 read -r torch_v cuda_v nccl_v ngpus <<< "$versions"
 echo "torch $torch_v, CUDA $cuda_v, NCCL $nccl_v, driver $driver, $ngpus GPUs"
 
-timeout 330 "$py" -m pytest -m gpu -q -p no:cacheprovider -rsP -o timeout=150 --durations=15 \
+# one process (no xdist: the GPU image lacks it, and the tests share the one GPU)
+timeout 330 "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rsP -o timeout=150 --durations=15 \
     tests 2>&1 | tee "$out/gpu_tests.log"
 tests=$(tail -1 "$out/gpu_tests.log" | sed 's/=//g; s/^ *//; s/ *$//')
 timeout 60 "$py" benchmarks/bench_allreduce.py --gpus "$ngpus" --repeats 5 2>&1 | tee "$out/bench.log"
