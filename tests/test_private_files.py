@@ -178,3 +178,24 @@ def test_a_debugged_cells_source_is_never_written_into_a_folder_another_user_mad
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     finally:
         shutil.rmtree(os.path.dirname(path))
+
+
+@needs_root
+def test_a_debugged_cells_file_is_refused_in_a_tmpdir_others_may_write_without_sticky_bit(
+    monkeypatch,
+):
+    """There another user may rename our ipykernel_<pid> folder and put theirs in its
+    place (the attack review did): the debugger and tracebacks would read their text as
+    the cell. Refused in one line, before anything is written; /tmp (sticky) serves."""
+    from infini_notebook.engine import rank_debug
+    from infini_notebook.engine.remote_start import Refused
+
+    shared = tempfile.mkdtemp(prefix="ww-", dir="/tmp")
+    os.chmod(shared, 0o777)  # world-writable, no sticky bit
+    monkeypatch.setattr(tempfile, "tempdir", shared)
+    try:
+        with pytest.raises(Refused, match="is not safe"):
+            rank_debug.cell_file("x = 1\n", "%%dist\nx = 1\n")
+        assert os.listdir(shared) == []
+    finally:
+        shutil.rmtree(shared)

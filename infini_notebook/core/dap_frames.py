@@ -57,6 +57,17 @@ def answer(key: str, relay_nonce: str, kernel_nonce: str) -> bytes:
     return _frame(signing.sign(key, f"dap hello {relay_nonce}", kernel_nonce))
 
 
+def kernel_side(key: str, relay_nonce: str) -> tuple[bytes, Direction, Direction]:
+    """What the kernel's end of a link needs once it read the relay's nonce: its answer
+    (with a fresh nonce of its own), then its directions, to the rank and from it."""
+    kernel_nonce = new_nonce()
+    return (
+        answer(key, relay_nonce, kernel_nonce),
+        Direction(key, relay_nonce, kernel_nonce, TO_RANK),
+        Direction(key, relay_nonce, kernel_nonce, TO_KERNEL),
+    )
+
+
 ANSWER_LEN = signing.TAG_LEN + 32  # the kernel's answer: a tag and a 16-byte hex nonce
 
 
@@ -82,10 +93,9 @@ class Direction:
         self.key, self.n = key, 0
         self.prefix = f"dap {relay_nonce} {kernel_nonce} {direction} "
 
-    def pack(self, message: dict | bytes) -> bytes:
-        body = message if isinstance(message, bytes) else json.dumps(message).encode()
+    def pack(self, message: bytes) -> bytes:
         self.n += 1
-        return _frame(signing.sign(self.key, self.prefix + str(self.n), body))
+        return _frame(signing.sign(self.key, self.prefix + str(self.n), message))
 
     def unpack(self, signed: bytes) -> bytes:
         body = signing.verify(self.key, self.prefix + str(self.n + 1), signed)

@@ -140,14 +140,12 @@ class Link:
         self.conn = socket.create_connection(relay, timeout=HANDSHAKE_S)
         try:
             relay_nonce = dap_frames.parse_hello(_read_line(self.conn))
-            kernel_nonce = dap_frames.new_nonce()
-            self.conn.sendall(dap_frames.answer(key, relay_nonce, kernel_nonce))
+            answer, self.out, self.inbound = dap_frames.kernel_side(key, relay_nonce)
+            self.conn.sendall(answer)
         except (OSError, dap_frames.BadFrame) as e:
             self.conn.close()
             raise ValueError(f"not a relay that answers: {e}") from None
         self.conn.settimeout(None)
-        self.out = dap_frames.Direction(key, relay_nonce, kernel_nonce, dap_frames.TO_RANK)
-        self.inbound = dap_frames.Direction(key, relay_nonce, kernel_nonce, dap_frames.TO_KERNEL)
 
     def send_stream(self, source: socket.socket) -> None:
         """Every DAP message read from ``source``, until it closes, to the rank."""

@@ -71,10 +71,9 @@ def cell_file(body: str, text: str) -> str:
     from ipykernel.compiler import get_file_name, get_tmp_directory
 
     from .own_files import write_text
-
-    folder = get_tmp_directory()  # /tmp/ipykernel_<pid>: one another user could make first
     from .remote_start import refuse_shared_tmp
 
+    folder = get_tmp_directory()  # /tmp/ipykernel_<pid>: one another user could make first
     # in a TMPDIR others may write without the sticky bit, they could rename our folder
     # and put their text where the debugger and tracebacks read the cell: refused
     refuse_shared_tmp(os.path.dirname(folder))

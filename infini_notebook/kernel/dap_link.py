@@ -34,10 +34,8 @@ class DapConnection:
         except (dap_frames.BadFrame, asyncio.TimeoutError) as e:
             self.writer.close()
             raise ConnectionError(f"rank {self.rank}'s debugger relay: {e}") from None
-        kernel_nonce = dap_frames.new_nonce()
-        self.writer.write(dap_frames.answer(key, relay_nonce, kernel_nonce))
-        self.out = dap_frames.Direction(key, relay_nonce, kernel_nonce, dap_frames.TO_RANK)
-        inbound = dap_frames.Direction(key, relay_nonce, kernel_nonce, dap_frames.TO_KERNEL)
+        answer, self.out, inbound = dap_frames.kernel_side(key, relay_nonce)
+        self.writer.write(answer)
         self.task = asyncio.ensure_future(self._read(reader, inbound))
 
     @property

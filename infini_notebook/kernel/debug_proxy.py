@@ -345,51 +345,16 @@ class DebugProxy:
         return link
 
     async def _rank_breakpoints(self, link: RankLink, path: str) -> None:
-        """The breakpoints of ``path`` on one rank: a %%dist cell's on the file the rank
-        compiles its body to (written there first); a module's on the same path."""
+        """The breakpoints of ``path`` on one rank: a module's on the same path; a %%dist
+        cell's on the file the rank compiles its body to; an editor's text's on the files
+        with that text (``_files_with_text``)."""
         code = self.cells.get(path)
-        target = path
-        if code is not None:
-            body = _dist_body(code)
-            if body is None:  # a plain cell, or a file open in JupyterLab's editor
-                await self._file_breakpoints(link, path, code)
-                return
-            target = link.files.get(path)
-            if target is None:
-                loop = asyncio.get_running_loop()
-                session = self.current()
-                if session is None:
-                    return
-                target = await loop.run_in_executor(
-                    None, rank_debuggers.write_cell_file, session, link.rank, body, code
-                )
-                if target is None:
-                    return
-                link.files[path], link.paths[target] = target, path
-        await self._rank_request(
-            link,
-            "setBreakpoints",
-            {"source": {"path": target}, "breakpoints": self.breakpoints.get(path, [])}
-            | {"sourceModified": False},
-        )
-
-    async def _file_breakpoints(self, link: RankLink, path: str, code: str) -> None:
-        """JupyterLab's file editor sets a file's breakpoints as a cell's: on the path
-        dumpCell gave for the editor's text. On a rank they go on each source file with
-        that very text (a module it imported, a file of its working folder), whose frames
-        then show as that path, in that editor; a plain cell's text matches none."""
-        targets = link.texts.get(path)
-        if targets is None:
-            session = self.current()
-            if session is None:
-                return
-            loop = asyncio.get_running_loop()
-            find = rank_debuggers.files_with_text
-            targets = await loop.run_in_executor(None, find, session, link.rank, code)
-            if targets:  # none yet: perhaps not imported yet, looked for again next time
-                link.texts[path] = targets
-            for target in targets:
-                link.paths[target] = path
+        if code is None:
+            targets = [path]
+        elif (body := _dist_body(code)) is not None:
+            targets = await self._cell_file(link, path, body, code)
+        else:  # a plain cell, or a file open in JupyterLab's editor
+            targets = await self._files_with_text(link, path, code)
         for target in targets:
             await self._rank_request(
                 link,
@@ -397,6 +362,39 @@ class DebugProxy:
                 {"source": {"path": target}, "breakpoints": self.breakpoints.get(path, [])}
                 | {"sourceModified": False},
             )
+
+    async def _cell_file(self, link: RankLink, path: str, body: str, code: str) -> list[str]:
+        """The file the rank compiles this %%dist cell's body to (written there once)."""
+        target = link.files.get(path)
+        if target is None:
+            target = await self._on_rank(link, rank_debuggers.write_cell_file, body, code)
+            if target is None:
+                return []
+            link.files[path], link.paths[target] = target, path
+        return [target]
+
+    async def _files_with_text(self, link: RankLink, path: str, code: str) -> list[str]:
+        """JupyterLab's file editor sets a file's breakpoints as a cell's: on the path
+        dumpCell gave for the editor's text. On a rank they go on each source file with
+        that very text (a module it imported, a file of its working folder), whose frames
+        then show as that path, in that editor; a plain cell's text matches none."""
+        targets = link.texts.get(path)
+        if targets is None:
+            targets = await self._on_rank(link, rank_debuggers.files_with_text, code) or []
+            if targets:  # none yet: perhaps not imported yet, looked for again next time
+                link.texts[path] = targets
+            for target in targets:
+                link.paths[target] = path
+        return targets
+
+    async def _on_rank(self, link: RankLink, fn, *args):
+        """``fn(session, rank, *args)`` off the control thread (it waits on the rank);
+        None without a session."""
+        session = self.current()
+        if session is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, fn, session, link.rank, *args)
 
     async def _rank_request(self, link: RankLink, command: str, arguments: dict) -> dict:
         try:

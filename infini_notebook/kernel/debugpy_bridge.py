@@ -100,8 +100,7 @@ def peer_uid(conn: socket.socket) -> int | None:
         here = conn.getsockname()
     except OSError:  # reset by its other end already
         return None
-    want = f"{socket.htonl(int.from_bytes(socket.inet_aton(ip), 'big')):08X}:{port:04X}"
-    back = f"{socket.htonl(int.from_bytes(socket.inet_aton(here[0]), 'big')):08X}:{here[1]:04X}"
+    want, back = _as_in_table(ip, port), _as_in_table(*here[:2])
     with open("/proc/net/tcp") as table:
         next(table)
         for row in table:
@@ -109,3 +108,7 @@ def peer_uid(conn: socket.socket) -> int | None:
             if fields[1] == want and fields[2] == back:
                 return int(fields[7])
     return None
+
+
+def _as_in_table(ip: str, port: int) -> str:
+    return f"{socket.htonl(int.from_bytes(socket.inet_aton(ip), 'big')):08X}:{port:04X}"

@@ -84,7 +84,7 @@ class CellWatch:
         self.last_wait: dict[int, tuple] = {}  # rank -> (its last wait, when) for a hang
         self.started = time.monotonic()
         self.next_ask = self.started + HANG_POLL_S
-        self.hang_shown = ""
+        self.hang_where = ""  # where the ranks wait, as the wait line last said it
         self._handle = None
 
     # ----- following the cell -------------------------------------------------------------
@@ -380,8 +380,8 @@ class CellWatch:
             return
         waited = now - self.started
         paused = debug_proxy.paused_now()  # the others wait for them: not a hang
-        text = f"waiting {waited:.0f} s: {waits.verdict(found, self.cell_name, paused)}"
-        self.hang_shown = text
+        self.hang_where = waits.verdict(found, self.cell_name, paused)
+        text = f"waiting {waited:.0f} s: {self.hang_where}"
         status = getattr(self.cell.printer, "status", None)  # optional for a user's printer
         if status is not None:
             self._handle = status(text, self._handle)
@@ -391,15 +391,13 @@ class CellWatch:
         the debugger) says it in the past: 'waiting 21 s' above the ranks' output read as
         a cell still stuck. Kept as it was where a rank failed: it says where they waited."""
         status = getattr(self.cell.printer, "status", None)
-        if self._handle is None or status is None or not self.hang_shown:
+        if self._handle is None or status is None or not self.hang_where:
             return
         if any(self.gone.get(r) != "finished" for r in self.cell.targets):
             return
         waited = time.monotonic() - self.started
-        _, _, where = self.hang_shown.partition(": ")
-        self._handle = status(
-            f"waited {waited:.0f} s, then every rank went on: {where}", self._handle
-        )
+        text = f"waited {waited:.0f} s, then every rank went on: {self.hang_where}"
+        self._handle = status(text, self._handle)
 
     def human_answered(self) -> None:
         """A prompt was answered (kernel/prompts.py): the ranks' time spent waiting for a
