@@ -66,10 +66,13 @@ class KernelCells:
 
 class Frontend:
     """One cell run as JupyterLab runs it: input requests answered from ``answers`` (the
-    string "!STOP" presses the Stop button instead), every message kept in order."""
+    string "!STOP" presses the Stop button instead), every message kept in order.
+    ``before_answer()``, when given, is called at each prompt before the answer is typed
+    (a test's attacker says it saw the question)."""
 
-    def __init__(self, kernel, answers=(), think_s: float = 0.0):
+    def __init__(self, kernel, answers=(), think_s: float = 0.0, before_answer=None):
         self.kernel, self.answers, self.think_s = kernel, list(answers), think_s
+        self.before_answer = before_answer
         self.events: list[tuple[str, str]] = []  # ("prompt" / "stdout" / ..., text)
         self.shown: dict[str, str] = {}  # what the cell shows at the end, per stream
         self.error: dict | None = None
@@ -89,6 +92,8 @@ class Frontend:
     def _stdin(self, msg) -> None:
         self.events.append(("prompt", msg["content"]["prompt"]))
         answer = self.answers.pop(0)
+        if self.before_answer is not None:
+            self.before_answer()
         time.sleep(self.think_s)  # a person reads before typing
         if answer == "!STOP":  # what the button does to an IPython kernel: SIGINT
             os.kill(self.kernel.kernel_pid, signal.SIGINT)

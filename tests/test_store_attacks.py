@@ -136,8 +136,11 @@ def test_a_forged_question_to_a_rank_is_not_acted_on(kernel, two, what):
 
 
 # Issue 49's reader and replayer: every key and value, polled every 10 ms, as another user who
-# knows only the port would; "record" prints whether ``needle`` was ever seen in plain text and
-# saves what it saw; "replay" writes every saved key back.
+# knows only the port would; "record" prints "asked" for each question it sees (the test's
+# front end answers only after that line: nothing depends on the poll's speed), then at
+# "stop" whether ``needle`` was ever seen in plain text, and saves what it saw; "replay"
+# writes every saved key back. It reads with compare_set, as rank_services.peek does:
+# ``get`` of a key the rank deleted after ``check`` blocks for the client's whole timeout.
 RECORDER = r"""
 import json, sys, time
 from datetime import timedelta
@@ -153,31 +156,41 @@ if mode == "replay":
     print("replayed", len(saved), flush=True)
     sys.exit()
 import select
+ABSENT = b"\0absent"
+def peek(k):
+    v = store.compare_set(k, ABSENT, ABSENT)
+    return None if v == ABSENT else v
 seen, found, waited, deadline = {}, False, set(), time.time() + seconds
 print("reading", flush=True)
 while time.time() < deadline and not select.select([sys.stdin], [], [], 0)[0]:  # "stop"
     for k in store.list_keys():
         k = k.decode() if isinstance(k, bytes) else k
-        try:
-            if not store.check([k]):
-                continue
-            v = seen[k] = store.get(k)
-            found = found or needle in v
-            # a prompt's answer lives for one poll of the rank: wait for it under its id
-            for line in v.decode(errors="replace").splitlines() if k.endswith("stdin/asks") else []:
-                qid = json.loads(line[line.index("{"):])["id"] if "{" in line else None
-                if qid is not None and qid not in waited:
-                    waited.add(qid)
-                    answer = k.replace("stdin/asks", f"stdin/answer/{qid}")
+        if (v := peek(k)) is None:
+            continue
+        seen[k] = v
+        found = found or needle in v
+        # a prompt's answer lives for one poll of the rank: wait for it under its id
+        for line in v.decode(errors="replace").splitlines() if k.endswith("stdin/asks") else []:
+            qid = json.loads(line[line.index("{"):])["id"] if "{" in line else None
+            if qid is not None and qid not in waited:
+                waited.add(qid)
+                print("asked", flush=True)
+                answer = k.replace("stdin/asks", f"stdin/answer/{qid}")
+                try:
                     store.wait([answer], timedelta(seconds=5))
-                    v = seen[answer] = store.get(answer)
+                except Exception:  # never answered (the cell was stopped)
+                    continue
+                if (v := peek(answer)) is not None:
+                    seen[answer] = v
                     found = found or needle in v
-        except Exception:
-            pass
     time.sleep(0.01)
 json.dump({k: v.hex() for k, v in seen.items()}, open(path, "w"))
 print("found" if found else "not found", len(seen), len(waited), flush=True)
 """
+
+
+def heard(proc: subprocess.Popen, line: str) -> None:
+    assert (said := proc.stdout.readline().strip()) == line, said
 
 
 def recorder(kernel, mode: str, needle: str, path, seconds: float = 0) -> subprocess.Popen:
@@ -201,7 +214,7 @@ def test_nothing_the_user_types_can_be_read_in_the_store(kernel, two, drop_box, 
     """Issue 49: input() answers crossed the store in plain text ({"value": "hunter2"}), and
     pdb commands too; only getpass answers were sealed."""
     reader = recorder(kernel, "record", "hunter2", f"{drop_box}/seen.json", seconds=30)
-    ui = Frontend(kernel, answers, think_s=0.5)
+    ui = Frontend(kernel, answers, think_s=0.5, before_answer=lambda: heard(reader, "asked"))
     assert ui.run(f"%%dist --ranks 0\n{code}") == "ok"
     said = reader.communicate("stop\n", timeout=30)[0].split()
     # it read the keys and every answer as the rank did, never the text
