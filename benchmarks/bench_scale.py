@@ -1,0 +1,285 @@
+"""The kernel's side of a session at 256 and 1,024 ranks, by simulation (issue 54).
+
+    .venv/bin/python benchmarks/bench_scale.py [--ranks 256 1024] [--hosts 16] [--cells 20]
+
+Real here: ipyparallel's controller (started as a session starts it: this package's
+controller command and heartbeat settings), the session's ``launch.client.Client``, the
+cell's fan-out (``DirectView.execute``, as kernel/execution.py sends a cell), the cell's
+output handling (``kernel/cell.Cell`` with ``StreamLabeler`` and ``TextPrinter``: labels,
+rank order, the final render), the kernel's TCPStore, and ``%dist_status``'s work (each
+rank's telemetry read from the store and verified, its tiles rendered). Simulated: the
+ranks, ``--hosts`` processes of benchmarks/sim_host.py, each serving N/hosts engine
+identities over ipyparallel's real engine protocol, each identity with its own store
+client doing a rank's bootstrap and telemetry (every 1 s, as TELEMETRY_INTERVAL_S). Left
+out: the cell's supervision (kernel/watch.py's liveness and store polls, which look at
+local processes this simulation does not have) and torch on the ranks.
+
+Per size: ``start_s`` (the hosts spawned to every identity registered with the client),
+``bootstrap_s`` (every identity's store key and count in), ``cell_wall_ms`` and
+``kernel_cpu_ms_per_cell`` (an empty cell: this process's CPU, every thread, per cell),
+``print_cell_wall_ms`` / ``print_kernel_cpu_ms`` (every rank prints one line; checked:
+each rank's own line, labeled, once, in rank order), the same empty cell through
+ipyparallel's BroadcastView with coalesced replies (``bcast_*``: the tree fan-out
+measured as an alternative), ``status_ms`` (telemetry of every rank read and verified,
+tiles rendered; checked: every rank's snapshot found), ``store_get_ms_p50``/``p99``
+(the kernel's reads while N clients write telemetry), ``stop_s``. Medians over
+``--cells``. The last line is one JSON object keyed by size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import glob
+import io
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def start_controller(profile_dir: str):
+    """A controller as a session starts one (its command and heartbeat), and our Client."""
+    import ipyparallel as ipp
+
+    from infini_notebook.launch.client import Client
+    from infini_notebook.launch.launchers import CONTROLLER_CMD, HEARTBEAT
+
+    cluster = ipp.Cluster(
+        n=0, profile_dir=profile_dir, controller_ip="127.0.0.1", controller_args=list(HEARTBEAT)
+    )
+    client = Client()
+    client.in_loop(cluster.start_controller(controller_cmd=[sys.executable, *CONTROLLER_CMD]))
+    client.attach(profile_dir, cluster.cluster_id)  # the session's own client of it
+    return cluster, client
+
+
+def engine_json(profile_dir: str, cluster_id: str) -> str:
+    pattern = os.path.join(profile_dir, "security", f"ipcontroller-{cluster_id}-engine.json")
+    deadline = time.monotonic() + 60
+    while not (found := glob.glob(pattern)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the controller wrote no engine connection file")
+        time.sleep(0.01)
+    return found[0]
+
+
+def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str):
+    per = [n // hosts + (1 if i < n % hosts else 0) for i in range(hosts)]
+    env = dict(os.environ, SIM_MAC_KEY=mac_key)
+    return [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "sim_host.py"), path, "--engines", str(k),
+             "--host-index", str(i), "--store", store],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        for i, k in enumerate(per)
+        if k
+    ]
+
+
+def wait_registered(client, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(client.ids()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(client.ids())} of {n} engines registered")
+        client.wait_for_registration(0.5)
+
+
+def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
+    """One cell as kernel/execution.run sends and shows it: wall s, this process's CPU s,
+    what it printed."""
+    from infini_notebook.core.output import StreamLabeler
+    from infini_notebook.kernel.cell import Cell
+    from infini_notebook.kernel.printers import TextPrinter
+
+    shown = io.StringIO()
+    c0, t0 = time.process_time(), time.perf_counter()
+    with contextlib.redirect_stdout(shown):
+        view = client.view(targets)
+        cell = client.on_io_thread(
+            lambda _: Cell(
+                view.execute(code, silent=False, block=False), targets, StreamLabeler(),
+                TextPrinter(echo=True, owns_cell=True),
+            )  # fmt: skip
+        )
+        pending = list(cell.futures.values())
+        while pending:  # what CellWatch.follow does for output, without its liveness checks
+            cell.changed.wait(0.05)
+            cell.changed.clear()
+            cell.show(final=False)
+            pending = [f for f in pending if not f.done()]
+        cell.wait_for_trailing_output()
+        cell.show(final=True)
+        cell.render_final()
+        client.forget(cell.ar.msg_ids)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    for r, f in cell.futures.items():
+        if isinstance(f.result(), BaseException):
+            raise RuntimeError(f"rank {r} failed: {f.result()}")
+    # what the notebook's output shows at the end (TextPrinter replays it in a kernel)
+    final = "".join(
+        f"[rank {i.ranks[0]}] {i.payload}\n" for i in cell.transcript.render(False) if i.kind == "stdout"
+    )
+    return wall, cpu, shown.getvalue() + "\0" + final
+
+
+def run_broadcast(client, targets: list[int], code: str) -> tuple[float, float]:
+    """The same cell through ipyparallel's tree: one request to the broadcast scheduler,
+    one coalesced reply; each rank's iopub (status, execute_input) still comes."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    with client.lock:
+        ar = client.ipp_client.broadcast_view(targets, is_coalescing=True).execute(
+            code, silent=False, block=False
+        )
+    ar.get(timeout=120)
+    ar.wait_for_output(timeout=120)
+    client.forget(ar.msg_ids)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def check_print_cell(out: str, n: int) -> None:
+    """The oracle for the print cell: rank r's own line, labeled [rank r], once, as it came
+    (live, in arrival order), and the final output in rank order."""
+    live, final = out.split("\0")
+    want = [f"[rank {r}] hello from {r}" for r in range(n)]
+    for what, lines in (("live", sorted(live.splitlines(), key=_rank_of)), ("final", final.splitlines())):
+        if lines != want:
+            wrong = next((a, b) for a, b in zip(lines + [""] * n, want) if a != b)
+            raise AssertionError(f"print cell, {what}: {len(lines)} lines, first wrong: {wrong}")
+
+
+def _rank_of(line: str) -> int:
+    return int(line.split("]")[0].split()[-1]) if line.startswith("[rank ") else -1
+
+
+def status_once(store, mac_key: str, n: int) -> float:
+    """%dist_status's work per rank: its telemetry read (rank_services.peek) and verified,
+    then every tile rendered."""
+    from infini_notebook.core import signing
+    from infini_notebook.core.state import RankState
+    from infini_notebook.engine import rank_services
+    from infini_notebook.viz.status_render import status_html
+
+    t0 = time.perf_counter()
+    rows = []
+    for r in range(n):
+        key = rank_services.telemetry_key(r)
+        raw = rank_services.peek(store, key)
+        body = signing.verify(mac_key, key, raw) if raw is not None else None
+        if body is None:
+            raise AssertionError(f"rank {r}: no verified telemetry")
+        snap = rank_services.parse_telemetry(body)
+        rows.append(RankState(r, 0, f"sim{r % 16}", "cpu", "", "idle", **snap))
+    html = status_html(rows)
+    if html.count("data-rank=") != n:
+        raise AssertionError("status: not one tile per rank")
+    return time.perf_counter() - t0
+
+
+def one_size(n: int, hosts: int, cells: int) -> dict:
+    import torch.distributed as dist
+
+    from infini_notebook.engine import rank_services
+
+    profile = tempfile.mkdtemp(prefix="inb-scale-")
+    mac_key = secrets.token_hex(32)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=120))
+    cluster, client = start_controller(profile)
+    procs = []
+    try:
+        path = engine_json(profile, cluster.cluster_id)
+        t0 = time.perf_counter()
+        procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{store.port}", mac_key)
+        wait_registered(client, n)
+        start_s = time.perf_counter() - t0
+        deadline = time.monotonic() + 300
+        while store.add("sim/joined", 0) < n:
+            assert time.monotonic() < deadline, "the simulated ranks' bootstrap never ended"
+            time.sleep(0.01)
+        bootstrap_s = time.perf_counter() - t0 - start_s
+        store.set("sim/ready", "1")
+        targets = sorted(client.ids())
+        for _ in range(3):  # warm: the first cells pay for connections and caches
+            run_cell(client, targets, "pass")
+        empty = [run_cell(client, targets, "pass")[:2] for _ in range(cells)]
+        printed = []
+        for _ in range(max(3, cells // 4)):
+            wall, cpu, out = run_cell(client, targets, "print('hello from', rank)")
+            check_print_cell(out, n)
+            printed.append((wall, cpu))
+        bcast = [run_broadcast(client, targets, "pass") for _ in range(cells)]
+        time.sleep(rank_services.TELEMETRY_INTERVAL_S * 2)  # every rank has reported
+        status = [status_once(store, mac_key, n) for _ in range(5)]
+        gets = []
+        for i in range(200):
+            g0 = time.perf_counter()
+            rank_services.peek(store, rank_services.telemetry_key(i % n))
+            gets.append(time.perf_counter() - g0)
+        gets.sort()
+        t0 = time.perf_counter()
+        for p in procs:  # what Engines.stop_all does to local engines: ended, waited for
+            p.terminate()
+        for p in procs:
+            p.wait(60)
+        client.stop_controller(profile)
+        stop_s = time.perf_counter() - t0
+        client.stop_loop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    med = lambda xs, i: statistics.median(x[i] for x in xs) * 1000  # noqa: E731
+    return {
+        "start_s": round(start_s, 2),
+        "bootstrap_s": round(bootstrap_s, 2),
+        "cell_wall_ms": round(med(empty, 0), 1),
+        "kernel_cpu_ms_per_cell": round(med(empty, 1), 1),
+        "print_cell_wall_ms": round(med(printed, 0), 1),
+        "print_kernel_cpu_ms": round(med(printed, 1), 1),
+        "bcast_cell_wall_ms": round(med(bcast, 0), 1),
+        "bcast_kernel_cpu_ms": round(med(bcast, 1), 1),
+        "status_ms": round(statistics.median(status) * 1000, 1),
+        "store_get_ms_p50": round(gets[len(gets) // 2] * 1000, 3),
+        "store_get_ms_p99": round(gets[int(len(gets) * 0.99)] * 1000, 3),
+        "stop_s": round(stop_s, 2),
+    }
+
+
+def growth(results: dict) -> dict:
+    """How each figure grows from the smallest size to the largest, against the ranks."""
+    sizes = sorted(results, key=int)
+    if len(sizes) < 2:
+        return {}
+    a, b = results[sizes[0]], results[sizes[-1]]
+    return {k: round(b[k] / a[k], 2) for k in a if a[k]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--hosts", type=int, default=16)
+    p.add_argument("--cells", type=int, default=20)
+    a = p.parse_args()
+    results = {}
+    for n in a.ranks:
+        results[str(n)] = r = one_size(n, min(a.hosts, n), a.cells)
+        print(f"{n:5d} ranks on {min(a.hosts, n)} simulated hosts: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+    if len(results) > 1:
+        sizes = sorted(results, key=int)
+        print(f"growth {sizes[0]} -> {sizes[-1]} ranks (x{int(sizes[-1]) // int(sizes[0])}): "
+              + ", ".join(f"{k} x{v}" for k, v in growth(results).items()))  # fmt: skip
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
