@@ -147,7 +147,8 @@ class Identity:
 
     def _apply(self, msg) -> tuple[dict, list | None]:
         try:
-            f, args, kwargs = serialize.unpack_apply_message(msg["buffers"], copy=False)
+            # interactive functions (pull, push) get the identity's namespace as globals
+            f, args, kwargs = serialize.unpack_apply_message(msg["buffers"], g=self.ns, copy=False)
             result = f(*args, **kwargs)
             return {"status": "ok"}, serialize.serialize_object(result)
         except Exception as e:
