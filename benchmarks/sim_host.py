@@ -10,9 +10,10 @@ registration socket), answers the heartbeat with its own DEALER, and on its own 
 ROUTER (connected to mux, task and one broadcast leaf, as an engine is) answers:
 
 - ``execute_request``: the code run with ``exec`` in the identity's namespace (``rank`` and
-  ``host`` in it), stdout and stderr captured and published as ``stream``; status busy,
-  ``execute_input`` and status idle on iopub, as ipykernel publishes them; errors as
-  ``error`` with a traceback;
+  ``host`` in it), stdout and stderr captured and published as ``stream``, errors as
+  ``error`` with a traceback, then status idle: what a session's engine publishes, whose
+  ipykernel engine/tuning.py trims of status busy and ``execute_input`` (``--stock``
+  publishes both, as an untrimmed engine does);
 - ``apply_request``: the function called here (``ipyparallel.serialize``), its result or
   error in the reply (a function that needs torch fails, as it should);
 - broadcast requests: the same, with the broadcast metadata echoed, so that a
@@ -55,7 +56,8 @@ def utcnow():
 class Identity:
     """One simulated engine: its sockets, id and namespace."""
 
-    def __init__(self, ctx, info: dict, session: Session, index: int, host: int):
+    def __init__(self, ctx, info: dict, session: Session, index: int, host: int, stock: bool):
+        self.stock = stock  # publish busy and execute_input, as an untrimmed ipykernel does
         self.uuid = str(uuid.uuid4())
         self.bident = self.uuid.encode()
         self.info, self.session, self.ctx = info, session, ctx
@@ -108,12 +110,14 @@ class Identity:
             "label": md_in.get("label"),
         }
         pub = lambda t, c: self.session.send(iopub, t, c, parent=msg, ident=self.topic(t), metadata={"engine": self.uuid})  # noqa: E731
-        pub("status", {"execution_state": "busy"})
+        if self.stock:
+            pub("status", {"execution_state": "busy"})
         buffers = None
         if kind == "execute_request":
             self.count += 1
             code = msg["content"]["code"]
-            pub("execute_input", {"code": code, "execution_count": self.count})
+            if self.stock:
+                pub("execute_input", {"code": code, "execution_count": self.count})
             reply = self._run(code, pub)
             reply["execution_count"] = self.count
             reply_type = "execute_reply"
@@ -156,7 +160,7 @@ class Identity:
                     "traceback": traceback.format_exception(e)}, None  # fmt: skip
 
 
-def serve(info: dict, n: int, host: int, store: str | None, telemetry_s: float) -> None:
+def serve(info: dict, n: int, host: int, store: str | None, telemetry_s: float, stock: bool) -> None:
     if store:  # imported before registering, as a rank's engine has torch before it serves
         import torch.distributed  # noqa: F401
     ctx = zmq.Context()
@@ -173,7 +177,7 @@ def serve(info: dict, n: int, host: int, store: str | None, telemetry_s: float) 
     ping.connect(f"{info['interface']}:{info['hb_ping']}")
     poller = zmq.Poller()
     poller.register(ping, zmq.POLLIN)
-    ids = [Identity(ctx, info, session, i, host) for i in range(n)]
+    ids = [Identity(ctx, info, session, i, host, stock) for i in range(n)]
     waiting = {x.reg: x for x in ids}
     for x in ids:
         poller.register(x.reg, zmq.POLLIN)
@@ -238,10 +242,11 @@ def main() -> None:
     p.add_argument("--host-index", type=int, default=0)
     p.add_argument("--store", default=None, help="HOST:PORT of the kernel's TCPStore")
     p.add_argument("--telemetry-s", type=float, default=1.0)
+    p.add_argument("--stock", action="store_true", help="publish busy and execute_input too")
     a = p.parse_args()
     with open(a.engine_json) as f:
         info = json.load(f)
-    serve(info, a.engines, a.host_index, a.store, a.telemetry_s)
+    serve(info, a.engines, a.host_index, a.store, a.telemetry_s, a.stock)
 
 
 if __name__ == "__main__":
