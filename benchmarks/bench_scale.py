@@ -29,7 +29,6 @@ tiles rendered; checked: every rank's snapshot found), ``store_get_ms_p50``/``p9
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import glob
 import io
@@ -77,9 +76,21 @@ def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str):
     env = dict(os.environ, SIM_MAC_KEY=mac_key)
     return [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "sim_host.py"), path, "--engines", str(k),
-             "--host-index", str(i), "--store", store],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                os.path.join(HERE, "sim_host.py"),
+                path,
+                "--engines",
+                str(k),
+                "--host-index",
+                str(i),
+                "--store",
+                store,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )  # fmt: skip
         for i, k in enumerate(per)
         if k
@@ -107,7 +118,9 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
         view = client.view(targets)
         cell = client.on_io_thread(
             lambda _: Cell(
-                view.execute(code, silent=False, block=False), targets, StreamLabeler(),
+                view.execute(code, silent=False, block=False),
+                targets,
+                StreamLabeler(),
                 TextPrinter(echo=True, owns_cell=True),
             )  # fmt: skip
         )
@@ -127,7 +140,9 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
             raise RuntimeError(f"rank {r} failed: {f.result()}")
     # what the notebook's output shows at the end (TextPrinter replays it in a kernel)
     final = "".join(
-        f"[rank {i.ranks[0]}] {i.payload}\n" for i in cell.transcript.render(False) if i.kind == "stdout"
+        f"[rank {i.ranks[0]}] {i.payload}\n"
+        for i in cell.transcript.render(False)
+        if i.kind == "stdout"
     )
     return wall, cpu, shown.getvalue() + "\0" + final
 
@@ -151,7 +166,10 @@ def check_print_cell(out: str, n: int) -> None:
     (live, in arrival order), and the final output in rank order."""
     live, final = out.split("\0")
     want = [f"[rank {r}] hello from {r}" for r in range(n)]
-    for what, lines in (("live", sorted(live.splitlines(), key=_rank_of)), ("final", final.splitlines())):
+    for what, lines in (
+        ("live", sorted(live.splitlines(), key=_rank_of)),
+        ("final", final.splitlines()),
+    ):
         if lines != want:
             wrong = next((a, b) for a, b in zip(lines + [""] * n, want) if a != b)
             raise AssertionError(f"print cell, {what}: {len(lines)} lines, first wrong: {wrong}")
@@ -273,7 +291,11 @@ def main() -> None:
     results = {}
     for n in a.ranks:
         results[str(n)] = r = one_size(n, min(a.hosts, n), a.cells)
-        print(f"{n:5d} ranks on {min(a.hosts, n)} simulated hosts: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+        print(
+            f"{n:5d} ranks on {min(a.hosts, n)} simulated hosts: "
+            + ", ".join(f"{k} {v}" for k, v in r.items()),
+            flush=True,
+        )
     if len(results) > 1:
         sizes = sorted(results, key=int)
         print(f"growth {sizes[0]} -> {sizes[-1]} ranks (x{int(sizes[-1]) // int(sizes[0])}): "

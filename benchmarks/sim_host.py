@@ -39,7 +39,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 import uuid
 from datetime import datetime, timezone
@@ -86,7 +85,11 @@ class Identity:
         broadcast = self.info["broadcast"]
         self.shell = self.ctx.socket(zmq.ROUTER)
         self.shell.IDENTITY = self.bident
-        for addr in (self.url("mux"), self.url("task"), self.url("", broadcast[self.id % len(broadcast)])):
+        for addr in (
+            self.url("mux"),
+            self.url("task"),
+            self.url("", broadcast[self.id % len(broadcast)]),
+        ):
             self.shell.connect(addr)
         self.pong = self.ctx.socket(zmq.DEALER)
         self.pong.IDENTITY = self.bident
@@ -96,7 +99,9 @@ class Identity:
         return f"engine.{self.id}.{what}".encode()
 
     def handle(self, iopub) -> None:
-        idents, raw = self.session.feed_identities(self.shell.recv_multipart(copy=False), copy=False)
+        idents, raw = self.session.feed_identities(
+            self.shell.recv_multipart(copy=False), copy=False
+        )
         msg = self.session.deserialize(raw, content=True, copy=False)
         kind = msg["header"]["msg_type"]
         md_in = msg.get("metadata", {})
@@ -109,7 +114,13 @@ class Identity:
             "original_msg_id": md_in.get("original_msg_id", ""),
             "label": md_in.get("label"),
         }
-        pub = lambda t, c: self.session.send(iopub, t, c, parent=msg, ident=self.topic(t), metadata={"engine": self.uuid})  # noqa: E731
+
+        def pub(kind: str, content: dict) -> None:  # on iopub, as the engine's own
+            meta = {"engine": self.uuid}
+            self.session.send(
+                iopub, kind, content, parent=msg, ident=self.topic(kind), metadata=meta
+            )
+
         if self.stock:
             pub("status", {"execution_state": "busy"})
         buffers = None
@@ -125,12 +136,19 @@ class Identity:
             reply, buffers = self._apply(msg)
             reply_type = "apply_reply"
         else:  # nothing else is simulated: said, not hung
-            reply = {"status": "error", "ename": "NotImplementedError", "evalue": kind, "traceback": []}
+            reply = {
+                "status": "error",
+                "ename": "NotImplementedError",
+                "evalue": kind,
+                "traceback": [],
+            }
             reply_type = kind.replace("_request", "_reply")
         md["status"] = reply["status"]
         if reply["status"] == "error":
             md["engine_info"] = {"engine_uuid": self.uuid, "engine_id": self.id}
-        self.session.send(self.shell, reply_type, reply, parent=msg, ident=idents, metadata=md, buffers=buffers)
+        self.session.send(
+            self.shell, reply_type, reply, parent=msg, ident=idents, metadata=md, buffers=buffers
+        )
         pub("status", {"execution_state": "idle"})
 
     def _run(self, code: str, pub) -> dict:
@@ -160,7 +178,9 @@ class Identity:
                     "traceback": traceback.format_exception(e)}, None  # fmt: skip
 
 
-def serve(info: dict, n: int, host: int, store: str | None, telemetry_s: float, stock: bool) -> None:
+def serve(
+    info: dict, n: int, host: int, store: str | None, telemetry_s: float, stock: bool
+) -> None:
     if store:  # imported before registering, as a rank's engine has torch before it serves
         import torch.distributed  # noqa: F401
     ctx = zmq.Context()
@@ -201,7 +221,9 @@ def serve(info: dict, n: int, host: int, store: str | None, telemetry_s: float, 
                 if not waiting:
                     print("registered", n, flush=True)
                     if store:
-                        threading.Thread(target=store_load, args=(store, ids, telemetry_s, stop), daemon=True).start()
+                        threading.Thread(
+                            target=store_load, args=(store, ids, telemetry_s, stop), daemon=True
+                        ).start()
             else:
                 by_shell[sock].handle(iopub)
     os._exit(0)  # sockets unclosed: the controller sees the hearts stop
@@ -215,8 +237,7 @@ def store_load(addr: str, ids: list[Identity], every: float, stop: threading.Eve
 
     host, port = addr.rsplit(":", 1)
     clients = [
-        dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
-        for _ in ids
+        dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120)) for _ in ids
     ]
     for x, s in zip(ids, clients):  # bootstrap: who I am, counted in
         s.set(f"sim/identity/{x.id}", json.dumps({"pid": os.getpid(), "host": x.host}))

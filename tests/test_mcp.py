@@ -381,17 +381,63 @@ def _ended_by_name(client, name: str):
             client.call("stop", name=name)
 
 
-def test_http_listens_on_loopback_only():
-    from infini_notebook.mcp.http import loopback_socket
+def test_http_listens_on_loopback_only_and_holds_the_port_on_both_addresses():
+    from infini_notebook.mcp import http
 
     for host in ("0.0.0.0", "192.0.2.1", "localhost.example"):
         with pytest.raises(SystemExit, match="loopback only"):
-            loopback_socket(host, 0)
-    sock = loopback_socket("127.0.0.1", 0)
-    assert sock.getsockname()[0] == "127.0.0.1"
+            http.loopback_sockets(host, 0)
+    socks = http.loopback_sockets("127.0.0.1", 0)
+    port = socks[0].getsockname()[1]
+    where = [sock.getsockname()[:2] for sock in socks]
+    # a client told "localhost" may try ::1 first: the port there is ours too
+    assert where == [("127.0.0.1", port)] + ([("::1", port)] if http._has_address("::1") else [])
     with pytest.raises(SystemExit, match="cannot listen on 127.0.0.1 port .*leave --port out"):
-        loopback_socket("127.0.0.1", sock.getsockname()[1])  # taken (by another user, say)
-    sock.close()
+        http.loopback_sockets("127.0.0.1", port)  # taken (by another user, say)
+    for sock in socks:
+        sock.close()
+
+
+SQUATTER = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_INET6); s.bind(('::1', 0)); s.listen(8)\n"
+    "print(s.getsockname()[1], flush=True); sys.stdin.read()\n"
+)
+
+
+def test_another_user_listening_on_ipv6_loopback_gets_no_token(monkeypatch):
+    """Another local user listens on ::1 at a port free on 127.0.0.1: a server there would
+    send "localhost" clients (and their token) to it. A given port is refused; a free one
+    is chosen away from it."""
+    from other_user import popen_as_other
+
+    from infini_notebook.mcp import http
+
+    if not http._has_address("::1"):
+        pytest.skip("no IPv6 loopback here: nothing to squat")
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, **popen_as_other(),
+    )  # fmt: skip
+    try:
+        taken = int(squatter.stdout.readline())
+        with pytest.raises(SystemExit, match=f"port {taken} is free on 127.0.0.1 but another"):
+            http.loopback_sockets("127.0.0.1", taken)
+        listen, tries = http._listen, []
+
+        def first_at_the_squatters_port(host, port):  # as if the kernel chose it for us
+            tries.append(port)
+            return listen(host, taken if len(tries) == 1 else port)
+
+        monkeypatch.setattr(http, "_listen", first_at_the_squatters_port)
+        socks = http.loopback_sockets("127.0.0.1", 0)
+        got = {sock.getsockname()[1] for sock in socks}
+        assert len(got) == 1 and taken not in got and len(socks) == 2, (got, tries)
+        for sock in socks:
+            sock.close()
+    finally:
+        squatter.stdin.close()
+        squatter.wait(10)
 
 
 async def _tools_over_http(url: str, token: str) -> set[str]:
@@ -426,11 +472,18 @@ def test_http_transport_refuses_requests_without_the_token():
                        "clientInfo": {"name": "test", "version": "0"}},
         }  # fmt: skip
         headers = {"accept": "application/json, text/event-stream"}
-        for bad in ({}, {"authorization": "Bearer nope"}, {"authorization": token}):
+        for bad in (
+            {}, {"authorization": "Bearer nope"}, {"authorization": token},
+            {"authorization": f"Bearer{token}"}, {"authorization": f"Basic {token}"},
+        ):  # fmt: skip
             refused = httpx2.post(url, json=init, headers={**headers, **bad}, timeout=10)
             assert refused.status_code == 401, refused.text
             assert "token" in refused.json()["error"]
         assert anyio.run(_tools_over_http, url, token) == TOOLS  # the SDK's client, with it
+        # the scheme in any case, as RFC 9110 has it (some clients send "bearer")
+        lower = httpx2.post(url, json=init, headers={**headers, "authorization": f"bearer {token}"},
+                            timeout=10)  # fmt: skip
+        assert lower.status_code == 200, lower.text
     finally:
         proc.terminate()
         proc.wait(10)

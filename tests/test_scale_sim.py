@@ -44,9 +44,18 @@ def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():
         path = bench_scale.engine_json(profile, cluster.cluster_id)
         procs = [
             subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "benchmarks", "sim_host.py"), path,
-                 "--engines", "2", "--host-index", str(i)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    os.path.join(ROOT, "benchmarks", "sim_host.py"),
+                    path,
+                    "--engines",
+                    "2",
+                    "--host-index",
+                    str(i),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
             )  # fmt: skip
             for i in range(2)
         ]

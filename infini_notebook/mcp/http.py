@@ -1,7 +1,8 @@
 """The MCP server over streamable HTTP: on loopback only, and only for requests that carry
 the server's token (``Authorization: Bearer TOKEN``); anything else gets 401 before the
-SDK's app sees it. Whoever can reach a port on this machine (every local user) could
-otherwise run code on the ranks as you."""
+SDK's app sees it: whoever can reach a port on this machine (every local user) could
+otherwise run code on the ranks as you. It holds its port on both loopback addresses (see
+``loopback_sockets``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class TokenGate:
     def __init__(self, app, token: str):
         if len(token) < 16:
             raise ValueError(f"the token must have at least 16 characters ({TOKEN_ENV})")
-        self.app, self._expected = app, f"Bearer {token}".encode()
+        self.app, self._expected = app, token.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] in ("http", "websocket") and not self._allowed(scope):
@@ -45,12 +46,26 @@ class TokenGate:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope) -> bool:
+        """One Authorization header, scheme Bearer in any case (RFC 9110 11.1: schemes are
+        case-insensitive; some clients send ``bearer``), then the token, compared in
+        constant time."""
         sent = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
-        return len(sent) == 1 and hmac.compare_digest(sent[0], self._expected)
+        if len(sent) != 1:
+            return False
+        scheme, _, token = sent[0].strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
 
 
-def loopback_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host`` (a loopback address) and ``port`` (0: any free one)."""
+LOOPBACK_TWIN = {"127.0.0.1": "::1", "::1": "127.0.0.1"}
+TWIN_TRIES = 20  # free ports tried for a pair when another process holds the twin's
+
+
+def loopback_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on ``host`` (a loopback address) and ``port`` (0: any free one),
+    and on the other loopback address at the same port where this machine has one: a
+    client told ``localhost`` may try ::1 first, and another local user listening there
+    would receive its token. A twin another process holds is refused (a given port) or
+    avoided (another free port)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -60,7 +75,39 @@ def loopback_socket(host: str, port: int) -> socket.socket:
             f"infini_notebook.mcp: --host {host!r} is not a loopback address; the HTTP "
             "transport listens on loopback only (127.0.0.1 or ::1)."
         )
-    sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET)
+    host = str(address)
+    twin = LOOPBACK_TWIN.get(host)
+    for _ in range(TWIN_TRIES if port == 0 else 1):
+        first = _listen(host, port)
+        bound = first.getsockname()[1]
+        try:
+            second = _listen(twin, bound) if twin and _has_address(twin) else None
+        except SystemExit:
+            first.close()
+            if port:
+                raise SystemExit(
+                    f"infini_notebook.mcp: port {port} is free on {host} but another process "
+                    f"(maybe another user's) listens on {twin} at it, where clients told "
+                    "'localhost' may go: leave --port out for a free pair."
+                ) from None
+            continue
+        return [first] + ([second] if second is not None else [])
+    raise SystemExit(f"infini_notebook.mcp: no port free on both {host} and {twin}.")
+
+
+def _has_address(host: str) -> bool:
+    """Whether this machine can listen on ``host`` (no IPv6 in many containers)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -83,8 +130,8 @@ async def serve(server, host: str, port: int, token: str | None) -> None:
     token = token or secrets.token_urlsafe(32)
     if len(token) < 16:
         raise SystemExit(f"infini_notebook.mcp: ${TOKEN_ENV} must have at least 16 characters.")
-    sock = loopback_socket(host, port)
-    where = sock.getsockname()
+    socks = loopback_sockets(host, port)
+    where = socks[0].getsockname()
     shown = f"[{where[0]}]" if ":" in where[0] else where[0]
     app = TokenGate(server.streamable_http_app(host=host), token)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
@@ -95,4 +142,4 @@ async def serve(server, host: str, port: int, token: str | None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    await uvicorn.Server(config).serve(sockets=[sock])
+    await uvicorn.Server(config).serve(sockets=socks)
