@@ -69,6 +69,8 @@ CELLS = [
     # a Button's callback prints on its rank (issue 50: that text showed nowhere)
     "%%dist\nimport ipywidgets\nbutton = ipywidgets.Button(description=f'click {rank}')\n"
     "button.on_click(lambda _: print('clicked on', rank))\ndisplay(button)",
+    # rank 0 waits in a barrier while the others sleep: the wait line, then "waited"
+    "%%dist\nimport time\nif rank:\n    time.sleep(5)\ndist.barrier()\nprint('through', rank)",
     "%dist_stop",
 ]
 TQDM_CELL = 6
@@ -78,6 +80,7 @@ TIMEOUT_CELL = 12  # the cells from here on run after the first checks
 RESTART_CELL = 15  # and these after the refusal's
 PDB_CELL = 17
 BUTTON_CELL = 18
+WAIT_CELL = 19
 STATUS_CELLS = (2, 10, 11, 14)  # the %dist_status cells
 # JupyterLab settings for a quiet, fully rendered page: no news pop-up, every cell in the DOM.
 LAB_SETTINGS = {
@@ -108,6 +111,7 @@ def test_widgets_render_in_jupyterlab(tmp_path):
         check_pdb(page, shots)
         check_button(page, shots)
         run_cells(page, BUTTON_CELL + 1, len(CELLS))
+        check_wait_line(page, shots)
         check_past_status(page, shots)
         check_reflow(page, shots)
         check_saved_status(page, tmp_path / "widgets.ipynb")
@@ -325,6 +329,50 @@ def check_button(page, shots) -> None:
     row = shown.locator(".widget-hbox", has_text="[rank 2]")
     assert "clicked on 2" in row.inner_text() and "clicked on 1" not in shown.inner_text()
     row.screenshot(path=str(shots / "button_callback.png"))
+
+
+# Whether any line of the element's text begins inside a word: each character's box, and
+# where a box starts a new line, the character before it must be a space.
+BREAKS_IN_WORDS = """(el) => {
+  const node = [...el.childNodes].find((n) => n.nodeType === 3) || el.firstChild.firstChild;
+  const text = node.textContent, range = document.createRange(), found = [];
+  let lastTop = null;
+  for (let i = 0; i < text.length; i++) {
+    range.setStart(node, i); range.setEnd(node, i + 1);
+    const box = range.getClientRects()[0];
+    if (!box) continue;
+    const space = (c) => /\\s/.test(c);
+    if (lastTop !== null && box.top > lastTop + 2 && !space(text[i - 1]) && !space(text[i]))
+      found.push(text.slice(Math.max(0, i - 8), i) + '|' + text.slice(i, i + 8));
+    lastTop = box.top;
+  }
+  return {found, lines: new Set([...Array(text.length).keys()].map((i) => {
+    range.setStart(node, i); range.setEnd(node, i + 1);
+    const b = range.getClientRects()[0]; return b ? Math.round(b.top) : null; })).size};
+}"""
+
+
+def check_wait_line(page, shots) -> None:
+    """Where ranks wait is one line updated in place; once every rank went on it says so
+    in the past. At a narrow width it wraps between words (as text/plain, JupyterLab broke
+    it inside words: "waitin|g for ranks")."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(WAIT_CELL)
+    cell.get_by_text("[rank 3] through 3").wait_for(timeout=120_000)
+    line = cell.locator(".infini-status-line")
+    line.wait_for(timeout=10_000)
+    text = line.inner_text()
+    assert text.startswith("waited ") and "then every rank went on" in text, text
+    assert "in the cell's 1st barrier" in text, text  # who waits varies with the moment
+    size = page.viewport_size
+    page.set_viewport_size({"width": 520, "height": size["height"]})
+    try:
+        cell.scroll_into_view_if_needed()
+        page.wait_for_timeout(300)  # the notebook reflows
+        got = line.evaluate(BREAKS_IN_WORDS)
+        assert got["lines"] >= 2 and not got["found"], (got, text)  # wrapped, never mid-word
+        cell.screenshot(path=str(shots / "wait_line_narrow.png"))
+    finally:
+        page.set_viewport_size(size)
 
 
 def check_past_status(page, shots) -> None:

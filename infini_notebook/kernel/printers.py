@@ -11,6 +11,20 @@ from ..core.output import prefix_lines
 from ..core.ranks import rank_label
 from ..core.transcript import TEXT_KINDS, Item, display_heading
 
+# JupyterLab shows text/plain with word-break: break-all, so a long status line (where ranks
+# wait) wrapped mid-word; its HTML twin wraps between words, in the output's own font.
+STATUS_STYLE = "margin:0;white-space:pre-wrap;word-break:normal;overflow-wrap:break-word"
+
+
+def status_bundle(text: str) -> dict[str, str]:
+    """A status line as a display shows it: text for terminals and saved notebooks' readers,
+    HTML that wraps at spaces for the notebook."""
+    return {
+        "text/plain": text,
+        "text/html": f'<pre class="infini-status-line" style="{STATUS_STYLE}">'
+        f"{html.escape(text)}</pre>",
+    }
+
 
 class Printer(Protocol):
     """Where a cell's labeled output goes. A printer may also have ``live(text)``: lines
@@ -101,7 +115,7 @@ class TextPrinter:
             from IPython.display import display  # under its id, so that updates reach it
 
             handle, text = self._status
-            display({"text/plain": text}, raw=True, display_id=handle.display_id)
+            display(status_bundle(text), raw=True, display_id=handle.display_id)
         show_items(self, items)
 
     def out(self, text: str) -> None:
@@ -128,9 +142,9 @@ class TextPrinter:
         from IPython.display import display
 
         if handle is None:
-            handle = display({"text/plain": text}, raw=True, display_id=True)
+            handle = display(status_bundle(text), raw=True, display_id=True)
         else:
-            handle.update({"text/plain": text}, raw=True)
+            handle.update(status_bundle(text), raw=True)
         self._status = (handle, text)
         return handle
 
