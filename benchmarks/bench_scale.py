@@ -6,19 +6,24 @@ Real here: ipyparallel's controller (started as a session starts it: this packag
 controller command and heartbeat settings), the session's ``launch.client.Client``, the
 cell's fan-out (``DirectView.execute``, as kernel/execution.py sends a cell), the cell's
 output handling (``kernel/cell.Cell`` with ``StreamLabeler`` and ``TextPrinter``: labels,
-rank order, the final render), the kernel's TCPStore, and ``%dist_status``'s work (each
+rank order, the final render), the kernel's TCPStore (hosted by launch/store_host.host, as
+a session's is), and ``%dist_status``'s work (each
 rank's telemetry read from the store and verified, its tiles rendered). Simulated: the
 ranks, ``--hosts`` processes of benchmarks/sim_host.py, each serving N/hosts engine
 identities over ipyparallel's real engine protocol, each identity with its own store
 client doing a rank's bootstrap and telemetry (every 1 s, as TELEMETRY_INTERVAL_S). Left
-out: the cell's supervision (kernel/watch.py's liveness and store polls, which look at
-local processes this simulation does not have) and torch on the ranks.
+out: torch on the ranks; the cell's supervision (kernel/watch.py's liveness and store
+polls, which look at local processes this simulation does not have); each rank's output
+file (kernel/output_files.py), ``execution.collect``, and the notebook's replay of the
+final output (``TextPrinter`` replays only inside a kernel).
 
 Per size: ``start_s`` (the hosts spawned to every identity registered with the client),
 ``bootstrap_s`` (every identity's store key and count in), ``cell_wall_ms`` and
-``kernel_cpu_ms_per_cell`` (an empty cell: this process's CPU, every thread, per cell),
+``kernel_cpu_ms_per_cell`` (an empty cell: this process's CPU, every thread, per cell;
+checked: nothing shown), ``controller_cpu_ms_per_cell`` (the controller's and its
+schedulers' CPU per empty cell: other processes on the kernel's machine),
 ``print_cell_wall_ms`` / ``print_kernel_cpu_ms`` (every rank prints one line; checked:
-each rank's own line, labeled, once, in rank order), the same empty cell through
+each rank's own line, labeled, once, in rank order, stderr empty), the same empty cell through
 ipyparallel's BroadcastView with coalesced replies (``bcast_*``: the tree fan-out
 measured as an alternative), ``status_ms`` (telemetry of every rank read and verified,
 tiles rendered; checked: every rank's snapshot found), ``store_get_ms_p50``/``p99``
@@ -32,15 +37,17 @@ import argparse
 import contextlib
 import glob
 import io
+import itertools
 import json
 import os
 import secrets
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -112,9 +119,9 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
     from infini_notebook.kernel.cell import Cell
     from infini_notebook.kernel.printers import TextPrinter
 
-    shown = io.StringIO()
+    shown, said = io.StringIO(), io.StringIO()
     c0, t0 = time.process_time(), time.perf_counter()
-    with contextlib.redirect_stdout(shown):
+    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said):
         view = client.view(targets)
         cell = client.on_io_thread(
             lambda _: Cell(
@@ -144,12 +151,12 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
         for i in cell.transcript.render(False)
         if i.kind == "stdout"
     )
-    return wall, cpu, shown.getvalue() + "\0" + final
+    return wall, cpu, shown.getvalue() + "\0" + final + "\0" + said.getvalue()
 
 
 def run_broadcast(client, targets: list[int], code: str) -> tuple[float, float]:
     """The same cell through ipyparallel's tree: one request to the broadcast scheduler,
-    one coalesced reply; each rank's iopub (status, execute_input) still comes."""
+    one coalesced reply; each rank's ``status: idle`` still comes on its own."""
     c0, t0 = time.process_time(), time.perf_counter()
     with client.lock:
         ar = client.ipp_client.broadcast_view(targets, is_coalescing=True).execute(
@@ -164,15 +171,23 @@ def run_broadcast(client, targets: list[int], code: str) -> tuple[float, float]:
 def check_print_cell(out: str, n: int) -> None:
     """The oracle for the print cell: rank r's own line, labeled [rank r], once, as it came
     (live, in arrival order), and the final output in rank order."""
-    live, final = out.split("\0")
+    live, final, err = out.split("\0")
+    if err:
+        raise AssertionError(f"print cell: stderr is not empty: {err[:200]!r}")
     want = [f"[rank {r}] hello from {r}" for r in range(n)]
     for what, lines in (
         ("live", sorted(live.splitlines(), key=_rank_of)),
         ("final", final.splitlines()),
     ):
         if lines != want:
-            wrong = next((a, b) for a, b in zip(lines + [""] * n, want) if a != b)
+            wrong = next(pair for pair in itertools.zip_longest(lines, want) if pair[0] != pair[1])
             raise AssertionError(f"print cell, {what}: {len(lines)} lines, first wrong: {wrong}")
+
+
+def check_empty_cell(out: str) -> None:
+    """The oracle for an empty cell: nothing shown, on either stream."""
+    if out.replace("\0", ""):
+        raise AssertionError(f"empty cell showed {out[:200]!r}")
 
 
 def _rank_of(line: str) -> int:
@@ -203,20 +218,39 @@ def status_once(store, mac_key: str, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def one_size(n: int, hosts: int, cells: int) -> dict:
-    import torch.distributed as dist
+def controller_cpu_s(cluster) -> float:
+    """CPU seconds of the controller and its schedulers so far: another process on the
+    kernel's machine, which ``process_time`` does not see."""
+    import psutil
 
+    try:
+        proc = psutil.Process(cluster.controller.process.pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except (AttributeError, psutil.Error):
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def one_size(n: int, hosts: int, cells: int) -> dict:
     from infini_notebook.engine import rank_services
+    from infini_notebook.launch import store_host
 
     profile = tempfile.mkdtemp(prefix="inb-scale-")
     mac_key = secrets.token_hex(32)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=120))
+    store, port = store_host.host("127.0.0.1", 0)  # hosted as the session's store is
     cluster, client = start_controller(profile)
-    procs = []
+    procs, stopped = [], False
     try:
         path = engine_json(profile, cluster.cluster_id)
         t0 = time.perf_counter()
-        procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{store.port}", mac_key)
+        procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{port}", mac_key)
         wait_registered(client, n)
         start_s = time.perf_counter() - t0
         deadline = time.monotonic() + 300
@@ -228,7 +262,12 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         targets = sorted(client.ids())
         for _ in range(3):  # warm: the first cells pay for connections and caches
             run_cell(client, targets, "pass")
-        empty = [run_cell(client, targets, "pass")[:2] for _ in range(cells)]
+        empty, ctl0 = [], controller_cpu_s(cluster)
+        for _ in range(cells):
+            wall, cpu, out = run_cell(client, targets, "pass")
+            check_empty_cell(out)
+            empty.append((wall, cpu))
+        controller_ms = (controller_cpu_s(cluster) - ctl0) / cells * 1000
         printed = []
         for _ in range(max(3, cells // 4)):
             wall, cpu, out = run_cell(client, targets, "print('hello from', rank)")
@@ -249,19 +288,23 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         for p in procs:
             p.wait(60)
         client.stop_controller(profile)
-        stop_s = time.perf_counter() - t0
-        client.stop_loop()
-    finally:
+        stop_s, stopped = time.perf_counter() - t0, True
+    finally:  # also on an error or SIGTERM (main turns it into SystemExit)
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if not stopped:
+            client.stop_controller(profile)
+        client.stop_loop()
+        shutil.rmtree(profile, ignore_errors=True)
     med = lambda xs, i: statistics.median(x[i] for x in xs) * 1000  # noqa: E731
     return {
         "start_s": round(start_s, 2),
         "bootstrap_s": round(bootstrap_s, 2),
         "cell_wall_ms": round(med(empty, 0), 1),
         "kernel_cpu_ms_per_cell": round(med(empty, 1), 1),
+        "controller_cpu_ms_per_cell": round(controller_ms, 1),
         "print_cell_wall_ms": round(med(printed, 0), 1),
         "print_kernel_cpu_ms": round(med(printed, 1), 1),
         "bcast_cell_wall_ms": round(med(bcast, 0), 1),
@@ -279,15 +322,24 @@ def growth(results: dict) -> dict:
     if len(sizes) < 2:
         return {}
     a, b = results[sizes[0]], results[sizes[-1]]
-    return {k: round(b[k] / a[k], 2) for k in a if a[k]}
+    noise = ("store_get_ms_p50", "store_get_ms_p99")  # flat by design: not a growth
+    return {k: round(b[k] / a[k], 2) for k in a if a[k] and k not in noise}
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
+    return value
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--hosts", type=int, default=16)
-    p.add_argument("--cells", type=int, default=20)
+    p.add_argument("--ranks", type=positive, nargs="+", default=[256, 1024])
+    p.add_argument("--hosts", type=positive, default=16)
+    p.add_argument("--cells", type=positive, default=20)
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks still run
     results = {}
     for n in a.ranks:
         results[str(n)] = r = one_size(n, min(a.hosts, n), a.cells)

@@ -21,9 +21,10 @@ ROUTER (connected to mux, task and one broadcast leaf, as an engine is) answers:
 
 The identities share one iopub PUB socket and one heartbeat SUB (neither has an identity
 that matters). With ``--store``, each identity also does what a rank does with the
-kernel's TCPStore: its bootstrap (a key of its own set, a counter added to, a barrier
-waited for) and a telemetry key set every ``--telemetry-s``; with the simulated ranks'
-threads, the store client per identity is real (torch), the rest is not.
+kernel's TCPStore: its bootstrap (a key of its own set, a counter added to; then the host
+waits for ``sim/ready``, which the kernel sets once all joined) and a telemetry key,
+signed with ``SIM_MAC_KEY`` as a rank signs it, set every ``--telemetry-s``. The store
+client per identity is real (torch).
 
 Prints ``registered K`` once every identity has its id, then serves until stdin closes or
 SIGTERM.

@@ -421,7 +421,7 @@ def test_another_user_listening_on_ipv6_loopback_gets_no_token(monkeypatch):
     )  # fmt: skip
     try:
         taken = int(squatter.stdout.readline())
-        with pytest.raises(SystemExit, match=f"port {taken} is free on 127.0.0.1 but another"):
+        with pytest.raises(SystemExit, match=f"port {taken} is free on 127.0.0.1 but ::1 refused"):
             http.loopback_sockets("127.0.0.1", taken)
         listen, tries = http._listen, []
 
@@ -438,6 +438,48 @@ def test_another_user_listening_on_ipv6_loopback_gets_no_token(monkeypatch):
     finally:
         squatter.stdin.close()
         squatter.wait(10)
+
+
+def test_a_flood_of_another_users_ipv6_sockets_does_not_pass_for_no_ipv6(monkeypatch):
+    """uid 65534 listening on ::1 at every port made the probe for IPv6 fail, and the
+    server then served on 127.0.0.1 alone, its ::1 twin left to the attacker. Only an
+    address the machine lacks leaves the twin out."""
+    import errno
+
+    from infini_notebook.mcp import http
+
+    bind_listen = http._bind_listen
+
+    def v6_fails_with(code):
+        def bind(host, port):
+            if ":" in host:
+                raise OSError(code, os.strerror(code))
+            return bind_listen(host, port)
+
+        return bind
+
+    monkeypatch.setattr(http, "_bind_listen", v6_fails_with(errno.EADDRINUSE))
+    assert http._has_address("::1")  # every port taken is no missing address
+    with pytest.raises(SystemExit, match="no port free on both 127.0.0.1 and ::1"):
+        http.loopback_sockets("127.0.0.1", 0)
+    monkeypatch.setattr(http, "_bind_listen", v6_fails_with(errno.EADDRNOTAVAIL))
+    socks = http.loopback_sockets("127.0.0.1", 0)  # no IPv6 here: 127.0.0.1 alone
+    assert [s.getsockname()[0] for s in socks] == ["127.0.0.1"]
+    socks[0].close()
+
+
+def test_the_server_says_why_it_cannot_start():
+    for args, said in (
+        (["--host", "0.0.0.0"], "is not a loopback address"),
+        (["--host", "::ffff:127.0.0.1"], "is not a loopback address"),
+        (["--host", "::1%lo"], "give 127.0.0.1 or ::1 itself"),
+        (["--port", "70000"], "70000 is no port"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "infini_notebook.mcp", "--http", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode != 0 and said in proc.stderr, (args, proc.returncode, proc.stderr)
 
 
 async def _tools_over_http(url: str, token: str) -> set[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,3 +80,26 @@ def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():
             p.wait(30)
         client.stop_controller(profile)
         client.stop_loop()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_the_print_cells_oracle_catches_what_a_user_would_see_wrong():
+    import bench_scale
+
+    right = "\n".join(f"[rank {r}] hello from {r}" for r in range(3)) + "\n"
+    bench_scale.check_print_cell(right + "\0" + right + "\0", 3)
+    wrong = {
+        "a line missing": right.replace("[rank 1] hello from 1\n", ""),
+        "a line twice": right + "[rank 2] hello from 2\n",
+        "another rank's value": right.replace("hello from 2", "hello from 1"),
+    }
+    for shown in wrong.values():
+        with pytest.raises(AssertionError):
+            bench_scale.check_print_cell(shown + "\0" + right + "\0", 3)
+        with pytest.raises(AssertionError):
+            bench_scale.check_print_cell(right + "\0" + shown + "\0", 3)
+    with pytest.raises(AssertionError, match="stderr"):
+        bench_scale.check_print_cell(right + "\0" + right + "\0[rank 0] warning\n", 3)
+    with pytest.raises(AssertionError):
+        bench_scale.check_empty_cell("\0[rank 0] x\n\0")
+    bench_scale.check_empty_cell("\0\0")

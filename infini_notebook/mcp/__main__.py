@@ -12,6 +12,13 @@ import sys
 import traceback
 
 
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is no port (0-65535; 0: a free one)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m infini_notebook.mcp",
@@ -20,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--http", action="store_true", help="serve streamable HTTP on loopback, not stdio"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="a loopback address (127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="a loopback address: 127.0.0.1, ::1 or localhost"
+    )
+    parser.add_argument("--port", type=port_number, default=0, help="default: a free port")
     args = parser.parse_args(argv)
     try:
         from .server import build
@@ -49,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
             anyio.run(serve, server, args.host, args.port, os.environ.get(TOKEN_ENV))
         else:
             server.run("stdio")  # the SDK points fd 1 at stderr while it serves on a copy of it
-    except SystemExit as e:  # SIGTERM, or the SDK's own exit
+    except SystemExit as e:  # SIGTERM, the SDK's own exit, or ours saying why (http.py)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
         code = 130

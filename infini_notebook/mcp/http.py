@@ -6,6 +6,7 @@ otherwise run code on the ranks as you. It holds its port on both loopback addre
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import json
@@ -26,7 +27,10 @@ class TokenGate:
         self.app, self._expected = app, token.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] in ("http", "websocket") and not self._allowed(scope):
+        if scope["type"] == "websocket" and not self._allowed(scope):
+            await send({"type": "websocket.close", "code": 1008})  # before accept: a 403
+            return
+        if scope["type"] == "http" and not self._allowed(scope):
             body = json.dumps(
                 {"error": "unauthorized: send the server's token as 'Authorization: Bearer TOKEN'"}
             ).encode()
@@ -58,67 +62,90 @@ class TokenGate:
 
 LOOPBACK_TWIN = {"127.0.0.1": "::1", "::1": "127.0.0.1"}
 TWIN_TRIES = 20  # free ports tried for a pair when another process holds the twin's
+# the twin address does not exist here (no IPv6 in many containers): serve without it
+NO_SUCH_ADDRESS = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
 
 
 def loopback_sockets(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets on ``host`` (a loopback address) and ``port`` (0: any free one),
-    and on the other loopback address at the same port where this machine has one: a
-    client told ``localhost`` may try ::1 first, and another local user listening there
-    would receive its token. A twin another process holds is refused (a given port) or
-    avoided (another free port)."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    if address is None or not address.is_loopback:
-        raise SystemExit(
-            f"infini_notebook.mcp: --host {host!r} is not a loopback address; the HTTP "
-            "transport listens on loopback only (127.0.0.1 or ::1)."
-        )
+    """Listening sockets on ``host`` (a loopback address; ``localhost`` is 127.0.0.1) and
+    ``port`` (0: any free one), and on the other loopback address at the same port where
+    this machine has it: a client told ``localhost`` may try ::1 first, and another local
+    user listening there would receive its token. A twin another process holds is refused
+    (a given port) or avoided (another free port); only an address this machine lacks
+    leaves it out (a flood of another user's sockets must not pass for "no IPv6")."""
+    address = loopback_address(host)
     host = str(address)
     twin = LOOPBACK_TWIN.get(host)
     for _ in range(TWIN_TRIES if port == 0 else 1):
         first = _listen(host, port)
         bound = first.getsockname()[1]
+        if twin is None:
+            return [first]
         try:
-            second = _listen(twin, bound) if twin and _has_address(twin) else None
-        except SystemExit:
+            return [first, _bind_listen(twin, bound)]
+        except OSError as e:
+            if e.errno in NO_SUCH_ADDRESS:
+                return [first]
             first.close()
             if port:
                 raise SystemExit(
-                    f"infini_notebook.mcp: port {port} is free on {host} but another process "
-                    f"(maybe another user's) listens on {twin} at it, where clients told "
-                    "'localhost' may go: leave --port out for a free pair."
+                    f"infini_notebook.mcp: port {port} is free on {host} but {twin} refused "
+                    f"it ({e.strerror}): another process (maybe another user's) may listen "
+                    "there, where clients told 'localhost' may go. Leave --port out for a "
+                    "free pair."
                 ) from None
-            continue
-        return [first] + ([second] if second is not None else [])
     raise SystemExit(f"infini_notebook.mcp: no port free on both {host} and {twin}.")
 
 
-def _has_address(host: str) -> bool:
-    """Whether this machine can listen on ``host`` (no IPv6 in many containers)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def loopback_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``host`` as a loopback address, or SystemExit saying why not."""
     try:
-        with socket.socket(family) as probe:
-            probe.bind((host, 0))
+        address = ipaddress.ip_address("127.0.0.1" if host == "localhost" else host)
+    except ValueError:
+        address = None
+    if address is None or not address.is_loopback:
+        raise SystemExit(
+            f"infini_notebook.mcp: --host {host!r} is not a loopback address; the HTTP "
+            "transport listens on loopback only (127.0.0.1, ::1 or localhost)."
+        )
+    if getattr(address, "scope_id", None) or getattr(address, "ipv4_mapped", None):
+        raise SystemExit(
+            f"infini_notebook.mcp: --host {host!r}: give 127.0.0.1 or ::1 itself (no zone, "
+            "no IPv4-mapped form)."
+        )
+    return address
+
+
+def _has_address(host: str) -> bool:
+    """Whether this machine has ``host`` at all (many containers have no IPv6). A bind
+    refused for any other reason (every port taken) still means it has it."""
+    try:
+        _bind_listen(host, 0).close()
         return True
+    except OSError as e:
+        return e.errno not in NO_SUCH_ADDRESS
+
+
+def _bind_listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
     except OSError:
-        return False
+        sock.close()
+        raise
+    return sock
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return _bind_listen(host, port)
     except OSError as e:
-        sock.close()
         raise SystemExit(
             f"infini_notebook.mcp: cannot listen on {host} port {port}: {e.strerror}. Another "
             "process (maybe another user's) holds it: leave --port out for a free one."
         ) from None
-    sock.listen(128)
-    return sock
 
 
 async def serve(server, host: str, port: int, token: str | None) -> None:
