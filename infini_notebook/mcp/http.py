@@ -94,7 +94,11 @@ def loopback_sockets(host: str, port: int) -> list[socket.socket]:
                     "there, where clients told 'localhost' may go. Leave --port out for a "
                     "free pair."
                 ) from None
-    raise SystemExit(f"infini_notebook.mcp: no port free on both {host} and {twin}.")
+    raise SystemExit(
+        f"infini_notebook.mcp: no port free on both {host} and {twin} in {TWIN_TRIES} tries: "
+        f"another process (maybe another user's) holds them on {twin}. Try again, or give "
+        "--port a port free on both."
+    )
 
 
 def loopback_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -116,16 +120,6 @@ def loopback_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address
     return address
 
 
-def _has_address(host: str) -> bool:
-    """Whether this machine has ``host`` at all (many containers have no IPv6). A bind
-    refused for any other reason (every port taken) still means it has it."""
-    try:
-        _bind_listen(host, 0).close()
-        return True
-    except OSError as e:
-        return e.errno not in NO_SUCH_ADDRESS
-
-
 def _bind_listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
@@ -142,9 +136,14 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         return _bind_listen(host, port)
     except OSError as e:
+        if e.errno in NO_SUCH_ADDRESS:
+            why = f"this machine has no {host}: give --host 127.0.0.1"
+        elif port:
+            why = "another process (maybe another user's) holds it: leave --port out"
+        else:
+            why = "no free port there (another process may hold them all): try again"
         raise SystemExit(
-            f"infini_notebook.mcp: cannot listen on {host} port {port}: {e.strerror}. Another "
-            "process (maybe another user's) holds it: leave --port out for a free one."
+            f"infini_notebook.mcp: cannot listen on {host} port {port}: {e.strerror}; {why}."
         ) from None
 
 
@@ -157,6 +156,7 @@ async def serve(server, host: str, port: int, token: str | None) -> None:
     token = token or secrets.token_urlsafe(32)
     if len(token) < 16:
         raise SystemExit(f"infini_notebook.mcp: ${TOKEN_ENV} must have at least 16 characters.")
+    host = str(loopback_address(host))  # what the SDK's Host check is told: 127.0.0.1, ::1
     socks = loopback_sockets(host, port)
     where = socks[0].getsockname()
     shown = f"[{where[0]}]" if ":" in where[0] else where[0]
