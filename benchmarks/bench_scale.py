@@ -50,6 +50,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PACE_GC = True  # the collector paced as execution.run paces it (--gc-default: not)
 
 
 def start_controller(profile_dir: str):
@@ -116,12 +117,14 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
     """One cell as kernel/execution.run sends and shows it: wall s, this process's CPU s,
     what it printed."""
     from infini_notebook.core.output import StreamLabeler
+    from infini_notebook.kernel import gc_pace
     from infini_notebook.kernel.cell import Cell
     from infini_notebook.kernel.printers import TextPrinter
 
     shown, said = io.StringIO(), io.StringIO()
+    pace = gc_pace.paced(len(targets)) if PACE_GC else contextlib.nullcontext()
     c0, t0 = time.process_time(), time.perf_counter()
-    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said):
+    with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said), pace:
         view = client.view(targets)
         cell = client.on_io_thread(
             lambda _: Cell(
@@ -338,7 +341,10 @@ def main() -> None:
     p.add_argument("--ranks", type=positive, nargs="+", default=[256, 1024])
     p.add_argument("--hosts", type=positive, default=16)
     p.add_argument("--cells", type=positive, default=20)
+    p.add_argument("--gc-default", action="store_true", help="cells without gc_pace")
     a = p.parse_args()
+    global PACE_GC
+    PACE_GC = not a.gc_default
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks still run
     results = {}
     for n in a.ranks:

@@ -22,7 +22,7 @@ from ..core.output import (
 from ..core.plan import soft_restart_fails
 from ..core.ranks import parse_ranks, parse_where, rank_label
 from ..core.state import CellResult
-from . import left_output, recovery, supervision
+from . import gc_pace, left_output, recovery, supervision
 from .cell import Cell
 from .output_files import OutputFiles
 from .watch import CellWatch
@@ -54,21 +54,22 @@ def run(
     files = OutputFiles(s.folder.file("output"), targets, name)
     label = request_label(name, code)
     t0 = time.perf_counter()
-    cell = s.engines.client.on_io_thread(  # listening before any output can arrive
-        lambda _: Cell(
-            _execute(s.engines.view(targets), code, label), targets, labeler, printer, files
+    with gc_pace.paced(len(targets)):  # per-rank objects: fewer collections (gc_pace.py)
+        cell = s.engines.client.on_io_thread(  # listening before any output can arrive
+            lambda _: Cell(
+                _execute(s.engines.view(targets), code, label), targets, labeler, printer, files
+            )
         )
-    )
-    ar = cell.ar
-    if said:  # kept in the cell's output, before the ranks' own
-        cell.note(targets[0], said)
-    watch = CellWatch(s, cell, name)
-    try:
-        watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
-        result = collect(cell, time.perf_counter() - t0, watch)
-    finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
-        s.engines.client.forget(ar.msg_ids)
-        files.close()
+        ar = cell.ar
+        if said:  # kept in the cell's output, before the ranks' own
+            cell.note(targets[0], said)
+        watch = CellWatch(s, cell, name)
+        try:
+            watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
+            result = collect(cell, time.perf_counter() - t0, watch)
+        finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
+            s.engines.client.forget(ar.msg_ids)
+            files.close()
     if users:
         s.last = result
     if result.errors:
