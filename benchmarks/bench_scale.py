@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import io
 import itertools
 import json
@@ -69,14 +68,9 @@ def start_controller(profile_dir: str):
     return cluster, client
 
 
-def engine_json(profile_dir: str, cluster_id: str) -> str:
-    pattern = os.path.join(profile_dir, "security", f"ipcontroller-{cluster_id}-engine.json")
-    deadline = time.monotonic() + 60
-    while not (found := glob.glob(pattern)):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the controller wrote no engine connection file")
-        time.sleep(0.01)
-    return found[0]
+def engine_json(cluster) -> str:
+    """The engines' connection file: written before ``Client.attach`` could connect."""
+    return cluster.controller.connection_files["engine"]
 
 
 def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str):
@@ -251,7 +245,7 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
     cluster, client = start_controller(profile)
     procs, stopped = [], False
     try:
-        path = engine_json(profile, cluster.cluster_id)
+        path = engine_json(cluster)
         t0 = time.perf_counter()
         procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{port}", mac_key)
         wait_registered(client, n)

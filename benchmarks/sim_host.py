@@ -56,12 +56,12 @@ def utcnow():
 class Identity:
     """One simulated engine: its sockets, id and namespace."""
 
-    def __init__(self, ctx, info: dict, session: Session, index: int, host: int, stock: bool):
+    def __init__(self, ctx, info: dict, session: Session, host: int, stock: bool):
         self.stock = stock  # publish busy and execute_input, as an untrimmed ipykernel does
         self.uuid = str(uuid.uuid4())
         self.bident = self.uuid.encode()
         self.info, self.session, self.ctx = info, session, ctx
-        self.index, self.host = index, host
+        self.host = host
         self.id: int | None = None
         self.ns: dict = {"rank": None, "host": host, "__name__": "__main__"}
         self.count = 0
@@ -198,7 +198,7 @@ def serve(
     ping.connect(f"{info['interface']}:{info['hb_ping']}")
     poller = zmq.Poller()
     poller.register(ping, zmq.POLLIN)
-    ids = [Identity(ctx, info, session, i, host, stock) for i in range(n)]
+    ids = [Identity(ctx, info, session, host, stock) for _ in range(n)]
     waiting = {x.reg: x for x in ids}
     for x in ids:
         poller.register(x.reg, zmq.POLLIN)

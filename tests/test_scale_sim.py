@@ -42,7 +42,7 @@ def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():
     cluster, client = bench_scale.start_controller(profile)
     procs = []
     try:
-        path = bench_scale.engine_json(profile, cluster.cluster_id)
+        path = bench_scale.engine_json(cluster)
         procs = [
             subprocess.Popen(
                 [
