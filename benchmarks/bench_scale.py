@@ -271,7 +271,7 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
             check_print_cell(out, n)
             printed.append((wall, cpu))
         bcast = [run_broadcast(client, targets, "pass") for _ in range(cells)]
-        time.sleep(rank_services.TELEMETRY_INTERVAL_S * 2)  # every rank has reported
+        store.wait([rank_services.telemetry_key(r) for r in range(n)])  # every rank reported
         status = [status_once(store, mac_key, n) for _ in range(5)]
         gets = []
         for i in range(200):

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_the_benchmark_runs_at_a_small_size_and_ends_with_its_json():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"),
-         "--ranks", "6", "--hosts", "3", "--cells", "2"],
+         "--ranks", "6", "--hosts", "2", "--cells", "2"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
