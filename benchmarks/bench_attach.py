@@ -64,9 +64,9 @@ def main() -> None:
             lines = run(ATTACH.format(name=NAME)).splitlines()
             results.append(json.loads(lines[-1]))
     finally:
-        from infini_notebook.launch import keep
+        from infini_notebook.launch import kept_sessions
 
-        keep.stop(NAME)
+        kept_sessions.stop(NAME)
     print(results[0]["line"])
     print(f"\nattach, {args.ranks} CPU ranks (best of {args.repeats}; target <= 1.0 s):")
     best = min(results, key=lambda r: r["attach"])

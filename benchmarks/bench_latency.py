@@ -46,7 +46,11 @@ goal needs a client that does not handle each rank's messages in Python (our own
 receiver, batching a cell's replies), not a change around ipyparallel's. Wall time in that
 run: 30 / 142 ms against stock 43 / 186 ms (0.70 / 0.76; at 64 ranks the machine runs 128
 engines on 2 cores and the ratio moves from run to run: 0.61 in the run below).
-Ratios against stock ``%%px`` (``--ranks 16 32 64 --cells 30``, same day): 0.73 / 0.69 /
+After launch/reply_dates.py (2026-11-28, ``--ranks 16 64 --cells 30``; the stock cells
+timed with ipyparallel's own dateutil parse, which our client replaces process-wide): 16 /
+64 ranks, ``%%dist`` 29 / 124 ms against stock 42 / 189 ms (0.70 / 0.66), the kernel's CPU
+0.69 / 0.63 ms per rank (stock 0.77 / 0.72, bare ``%%px`` on ours 0.59 / 0.55).
+Ratios against stock ``%%px`` (``--ranks 16 32 64 --cells 30``, 2026-11-26): 0.73 / 0.69 /
 0.61 (38 / 72 / 143 ms against 53 / 104 / 236 ms); goal <= 0.5 at 64 not met. That run
 also showed c10d's connect errors printed into the first cell of ranks whose telemetry
 thread timed out connecting to the store at start (10 s, 64 ranks on 2 cores): it now
@@ -60,6 +64,9 @@ import statistics
 import time
 
 import ipyparallel as ipp
+from ipyparallel import util
+
+from infini_notebook.launch import reply_dates
 
 
 def timed(fn, out: list[float], cpu: list[float]) -> None:
@@ -92,12 +99,17 @@ def one_size(shell, n: int, cells: int) -> dict[str, float]:
         tree.block = True
         tree.activate("_tree")
         magics = ("px", "dist", "px_ours", "px_tree")
+        # Our session's client reads reply dates without dateutil (launch/reply_dates.py),
+        # which it installs process-wide; the stock cells get ipyparallel's own back.
+        ours_parse, stock_parse = util._parse_date, reply_dates.stock(util)
         times: dict[str, list[float]] = {k: [] for k in magics}
         cpu: dict[str, list[float]] = {k: [] for k in magics}
         for i in range(cells + 5):
             row = {k: ([], []) for k in magics}
             for k in magics:
+                util._parse_date = ours_parse if k == "dist" else stock_parse
                 timed(lambda k=k: shell.run_cell_magic(k, "", "pass"), *row[k])
+            util._parse_date = ours_parse
             if i >= 5:  # warm-up: first messages, imports
                 for k in magics:
                     times[k] += row[k][0]

@@ -1,6 +1,7 @@
 """The kernel's side of a session at 256 and 1,024 ranks, by simulation (issue 54).
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256 1024] [--hosts 16] [--cells 20]
+        [--gc-default] [--stock-dates]
 
 Real here: ipyparallel's controller (started as a session starts it: this package's
 controller command and heartbeat settings), the session's ``launch.client.Client``, the
@@ -50,6 +51,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACE_GC = True  # the collector paced as execution.run paces it (--gc-default: not)
+STOCK_DATES = False  # --stock-dates: replies' dates through dateutil (launch/reply_dates.py)
 
 
 def start_controller(profile_dir: str):
@@ -65,6 +67,12 @@ def start_controller(profile_dir: str):
     client = Client()
     client.in_loop(cluster.start_controller(controller_cmd=[sys.executable, *CONTROLLER_CMD]))
     client.attach(profile_dir, cluster.cluster_id)  # the session's own client of it
+    if STOCK_DATES:  # back to ipyparallel's own, which attach replaced
+        from ipyparallel import util
+
+        from infini_notebook.launch import reply_dates
+
+        util._parse_date = reply_dates.stock(util)
     return cluster, client
 
 
@@ -336,9 +344,10 @@ def main() -> None:
     p.add_argument("--hosts", type=positive, default=16)
     p.add_argument("--cells", type=positive, default=20)
     p.add_argument("--gc-default", action="store_true", help="cells without gc_pace")
+    p.add_argument("--stock-dates", action="store_true", help="reply dates through dateutil")
     a = p.parse_args()
-    global PACE_GC
-    PACE_GC = not a.gc_default
+    global PACE_GC, STOCK_DATES
+    PACE_GC, STOCK_DATES = not a.gc_default, a.stock_dates
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks still run
     results = {}
     for n in a.ranks:

@@ -12,7 +12,7 @@
    started with ``--name NAME --keep 2m`` (as a kernel would): ``session.stop()`` after
    ``cluster.attach`` while that process lives on (a ``--force`` takeover: it is the parent
    of the session's watchdog, store host and template, and reaps none of them) and after it
-   died (``os._exit``, as a killed kernel); ``keep.stop(NAME)`` (``%dist_stop NAME``) while
+   died (``os._exit``, as a killed kernel); ``kept_sessions.stop(NAME)`` (``%dist_stop NAME``) while
    it drives the session. Each until every process of the session, its watchdog included,
    is gone (checked after each), against the ordinary stop of part 1 at the same size.
 Targets: stop <= 0.5 s at 16 ranks (issue 43; issue 14 asked 1 s); hard restart <= fresh
@@ -46,7 +46,7 @@ zombie for ended; now the controller is stopped before the template ends, which 
 --repeats 3``), 0.15 s at 16 after the reorder.
 
 Kept stops (issue 48), 4 ranks, 2026-11-27, this 2-core VM, profiled by timing each step
-(``time.perf_counter`` around Session.stop's, Engines.stop_all's and keep.stop's): after an
+(``time.perf_counter`` around Session.stop's, Engines.stop_all's and kept_sessions.stop's): after an
 attach the stop took 11.3 s with the starting process alive: ``WarmTemplate.end`` 3.0 s,
 ``_kill_leftovers`` 3.0 s, ``disarm_watchdog`` 5.0 s, everything else 0.3 s. Each was
 psutil waiting out its whole timeout (``wait_procs``' 3 s, ``Process.wait(5)``) for a
@@ -133,7 +133,7 @@ def kept_stop(n: int, case: str) -> float:
     """One kept session of ``n`` ranks, started by another process, stopped as ``case``
     says (attach, attach-after-death, name); seconds until every process of it is gone."""
     from infini_notebook import cluster
-    from infini_notebook.launch import keep
+    from infini_notebook.launch import kept_sessions
     from infini_notebook.launch.watchdog import same_process, session_processes
 
     name = f"bench-stop-{secrets.token_hex(3)}"
@@ -147,9 +147,9 @@ def kept_stop(n: int, case: str) -> float:
         if dies:
             starter.wait(60)
         if case == "name":
-            watchdog = keep.find(name).watchdog
+            watchdog = kept_sessions.find(name).watchdog
             t0 = time.perf_counter()
-            keep.stop(name)
+            kept_sessions.stop(name)
         else:
             session, _ = cluster.attach(name, force=not dies)
             watchdog = session.keeper.kept.watchdog

@@ -28,7 +28,7 @@ from .kernel import profile as cell_profile
 from .kernel.autoreload import AutoReload
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
-from .launch import engine_sets, keep, prewarm, startup
+from .launch import engine_sets, kept_sessions, prewarm, startup
 from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
 from .launch.keep import Keeper
@@ -77,7 +77,7 @@ def start(
         raise DistUsageError(_runs_already(_current))
     plan = plan_from_options(options, **keywords)
     if plan.keep_s:
-        keep.claim_name(plan.name)  # atomically, before anything starts
+        kept_sessions.claim_name(plan.name)  # atomically, before anything starts
     try:
         if progress is not None:
             progress(0, 0)  # the options are good: only now a "starting..." bar
@@ -85,7 +85,7 @@ def start(
         session.start(progress)
     except BaseException:
         if plan.keep_s:
-            keep.release_name(plan.name)
+            kept_sessions.release_name(plan.name)
         raise
     _current = session
     return session
@@ -97,7 +97,7 @@ def attach(name: str, force: bool = False) -> tuple[Session, str]:
     global _current
     if current() is not None:
         raise DistUsageError(_runs_already(_current))
-    kept = keep.find(name)
+    kept = kept_sessions.find(name)
     session = Session(kept.plan, kept=kept)
     line = attach_kept.take_over(session, force)
     session.reloader.attached()  # the kernel's own autoreload, as the session's setting
@@ -131,7 +131,10 @@ class Session:
     ``last`` (the last cell's CellResult) and ``running`` are the facade's own."""
 
     def __init__(
-        self, plan: SessionPlan, warmed: prewarm.Warmed | None = None, kept: keep.Kept | None = None
+        self,
+        plan: SessionPlan,
+        warmed: prewarm.Warmed | None = None,
+        kept: kept_sessions.Kept | None = None,
     ):
         """``warmed``: a template warmed ahead (see prewarm.py), whose folder, template and
         watchdog this session adopts; ``kept``: a kept session's, to attach (see attach)."""

@@ -8,7 +8,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import cluster
-from .launch import keep
+from .launch import kept_sessions
 from .viz.render import text_table
 
 
@@ -65,7 +65,7 @@ class KeepMagics(Magics):
 
         from .magics import _assigned
 
-        rows = [keep.describe(k) for _, k in sorted(keep.kept_sessions().items())]
+        rows = [kept_sessions.describe(k) for _, k in sorted(kept_sessions.kept_sessions().items())]
         columns = ["name", "ranks", "backend", "started", "driver", "memory"]
         frame = pd.DataFrame(rows, columns=columns)
         if _assigned(self.shell, "dist_sessions"):

@@ -139,12 +139,12 @@ class DistMagics(Magics):
         """Stop the session: engines, controller and store (and the template %load_ext
         warmed for the next session, if one waits). %dist_stop NAME ends the kept session
         NAME (see %dist_sessions) without attaching it."""
-        from .launch import keep, prewarm
+        from .launch import kept_sessions, prewarm
 
         name = parse_argstring(self.dist_stop, line).name
         session = cluster.current()
         if name and (session is None or session.plan.name != name):
-            keep.stop(name)
+            kept_sessions.stop(name)
             print(f"Session {name!r} stopped.")
             return
         if session is None and cluster.lost():  # another kernel took it, or stopped it

@@ -222,11 +222,13 @@ del _p
 FAULT_TIMINGS: dict[str, float] = {}
 
 
-# The suite runs on two workers (pytest-xdist, ``-n 2`` in pytest's addopts): about 40 % of
-# two cores sit idle while ranks start, kernels restart and cells wait out injected sleeps
-# and timeouts. A module runs whole on one worker (its kernel and session are shared by its
-# tests, as on one process), and the modules below share one worker and run in turn: each
-# lists or ends *every* kept session of the user, which another module's would disturb.
+# The suite runs on three workers (pytest-xdist, ``-n 3`` in pytest's addopts) on two cores:
+# with two, about a third of the cores' time sat idle while ranks start, kernels restart and
+# cells wait out injected sleeps and timeouts (843 s on two workers, 713 s on three, the same
+# fresh clone, 2026-11-28). A module runs whole on one worker (its kernel and session are
+# shared by its tests, as on one process), and the modules below share one worker and run in
+# turn: each lists or ends *every* kept session of the user, which another module's would
+# disturb.
 ONE_WORKER = {
     "test_keep", "test_keep_life", "test_keep_output", "test_mcp", "test_private_place",
     "test_viz",

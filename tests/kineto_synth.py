@@ -63,9 +63,10 @@ class RankBuilder:
         self.ext += 1
         return self.ext
 
-    def mark(self, name: str, true_us: float) -> None:
-        self._x("user_annotation", name, true_us, 2, **{"External id": self._external()})
-        self.marks[name] = self.wall_ns(true_us + 1)  # read inside the mark
+    def mark(self, name: str, true_us: float, dur: float = 2, read_at: float = 1) -> None:
+        """A mark spanning ``dur`` µs, the wall clock read ``read_at`` µs into it."""
+        self._x("user_annotation", name, true_us, dur, **{"External id": self._external()})
+        self.marks[name] = self.wall_ns(true_us + read_at)  # read inside the mark
 
     def cell(self, start: float, end: float, profiler_lead_us: float = 0.0) -> None:
         """The profiler's marks ``profiler_lead_us`` around the cell's own marks."""

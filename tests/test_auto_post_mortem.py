@@ -115,7 +115,9 @@ def test_post_mortem_shows_locals_where_each_failed_rank_raised(kernel):
         "step()",
         allow_error=True,
     )
-    assert "[ranks 1,3]" in errors_of(cell)
+    # one traceback for both: in the error, or (a rank that failed while others still ran)
+    # in the note shown as it came, merged at the cell's end (on a loaded machine)
+    assert "[ranks 1,3]" in text_of(cell), text_of(cell)
     kernel.run("%dist_pull nope", allow_error=True)  # a failing call must not lose the frames
     out = text_of(kernel.run("%dist_debug print('x =', x)"))
     assert "[rank 1] x = 10" in out and "[rank 3] x = 30" in out

@@ -193,16 +193,21 @@ def test_output_that_comes_before_the_kernel_listens_is_not_lost(ranks4):
 
 LATE = """%%dist
 import threading, time
+written = []
 def later():
     time.sleep(1.5)
     print(f"written late by {rank}")
+    written.append(1)
 threading.Thread(target=later).start()
 """
 
 
 def test_thread_output_after_the_cell_survives_a_pull_and_shows_next_cell(ranks4):
     ranks4.run(LATE)
-    ranks4.run("import time\ntime.sleep(2.5)\nvals = %dist_pull rank")  # text comes meanwhile
+    ranks4.run(  # pulls while the text comes, until every rank wrote it, then one more
+        "import time\nwhile not all(dist_session.pull('written').values()):\n"
+        "    time.sleep(0.05)\nvals = %dist_pull rank"
+    )
     cell = ranks4.run("%%dist\npass")
     got = text_of(cell, "stdout").splitlines()
     assert got == [f"[rank {r}] (late) written late by {r}" for r in range(4)], got

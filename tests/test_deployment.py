@@ -107,14 +107,21 @@ def test_every_magic_answers_at_once_when_the_controller_is_dead(kernel):
     assert psutil.Process(kernel.kernel_pid).children(recursive=True) == []
 
 
-def test_a_cell_fails_soon_after_the_controller_dies_under_it(kernel):
+def test_a_cell_fails_soon_after_the_controller_dies_under_it(kernel, tmp_path):
     use_session(kernel, "--nprocs 2 --timeout 20")
+    there = str(tmp_path / "there")  # the cell is running on rank 0: the controller dies
     kernel.run(
-        "import threading\nthreading.Timer(1.0, lambda: exec("
-        + repr(KILL_CONTROLLER)
-        + ")).start()"
+        f"import os, threading, time\ndef _kill_when_there():\n"
+        f"    while not os.path.exists({there!r}):\n        time.sleep(0.02)\n"
+        f"    exec({KILL_CONTROLLER!r})\n"
+        "threading.Thread(target=_kill_when_there, daemon=True).start()"
     )
-    cell, took = timed(kernel, "%%dist\nimport time\ntime.sleep(30)", allow_error=True, timeout=90)
+    cell, took = timed(
+        kernel,
+        f"%%dist\nimport time\nif rank == 0:\n    open({there!r}, 'w').close()\ntime.sleep(30)",
+        allow_error=True,
+        timeout=90,
+    )
     err = error_text(cell)
     assert GONE in err and "%dist_restart --hard" in err, err
     assert took < 10

@@ -222,7 +222,7 @@ def test_input_on_a_gpu_rank_is_answered_from_the_notebook(four):
     code = "%%dist --ranks 0\nname = input('name? ')\n"
     code += "print('got', name, torch.ones(1, device=device).sum().item())"
     assert ui.run(code) == "ok"
-    assert ui.prompts() == ["[rank 0] name? "]
+    assert ui.prompts() == ["[rank 0] name?"]  # JupyterLab puts its own space after it
     assert "[rank 0] got alice 1.0" in ui.shown["stdout"], ui.shown
 
 

@@ -14,6 +14,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -218,17 +219,23 @@ def test_a_hung_collective_is_seen_in_stacks_and_interrupted(client, started):
     assert [o["result"] for o in got["outputs"]] == ["2.0", "2.0"], got
 
 
-def test_a_cell_past_its_timeout_gives_a_handle_to_wait_on(client, started):
-    got = client.ok("run", code="import time\ntime.sleep(2.5)\nprint('done', rank)", timeout=0.3)
+def test_a_cell_past_its_timeout_gives_a_handle_to_wait_on(client, started, tmp_path):
+    gate = tmp_path / "gate"  # the cell runs until the test removes it (2 s into the wait)
+    gate.touch()
+    code = f"import os, time\nwhile os.path.exists({str(gate)!r}):\n    time.sleep(0.05)\n"
+    got = client.ok("run", code=code + "print('done', rank)", timeout=0.3)
+    returned = time.monotonic()
     assert got["state"] == "running"
     status = client.ok("status")
     assert status["running"] == got["handle"]
     assert [r["state"] for r in status["ranks"]] == ["busy", "busy"]
     progress: list = []
+    opened: list[float] = []
+    threading.Timer(2.0, lambda: (opened.append(time.monotonic()), gate.unlink())).start()
     done, _ = client.call("wait", progress=progress, handle=got["handle"], timeout=30)
     assert done["state"] == "ok" and done["handle"] == got["handle"]
     assert [o["stdout"] for o in done["outputs"]] == ["done 0\n", "done 1\n"]
-    assert done["elapsed_s"] >= 2.5
+    assert done["elapsed_s"] >= opened[0] - returned  # it ran until the gate opened
     assert progress and all(b >= a for (a, _, _), (b, _, _) in zip(progress, progress[1:]))
     assert client.ok("status")["running"] is None
     _, text = client.call("wait", handle="c999")
@@ -336,7 +343,7 @@ def test_a_session_ends_with_the_server_that_started_it():
     assert gone(pids, folder) == []
 
 
-def test_the_server_exits_when_its_client_goes_during_a_call():
+def test_the_server_exits_when_its_client_goes_during_a_call(tmp_path):
     """stdin closes while run waits on a cell that never ends: the server exits now and
     ends its session, not when the call's timeout (600 s) runs out. Raw JSON-RPC: the SDK's
     client would SIGKILL a server that lingers, hiding the wait (and skipping its stop)."""
@@ -360,9 +367,14 @@ def test_the_server_exits_when_its_client_goes_during_a_call():
             pass
         started = reply["result"]["structuredContent"]
         pids, folder = [r["pid"] for r in started["ranks"]], started["folder"]
-        endless = {"code": "while True:\n    pass", "timeout": 600}
+        there = str(tmp_path / "there")
+        code = f"open({there!r}, 'w').close()\nwhile True:\n    pass"
+        endless = {"code": code, "timeout": 600}
         send({"id": 3, "method": "tools/call", "params": {"name": "run", "arguments": endless}})
-        time.sleep(1.5)  # the call waits on the cell
+        deadline = time.monotonic() + 60
+        while not os.path.exists(there):  # the call waits on a running cell
+            assert time.monotonic() < deadline, "the endless cell did not start"
+            time.sleep(0.02)
         proc.stdin.close()
         assert proc.wait(20) == 0  # subprocess.TimeoutExpired: it waits out the 600 s
         assert gone(pids, folder) == []

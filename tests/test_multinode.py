@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -88,7 +89,15 @@ class TwoHosts:
                     stderr=subprocess.DEVNULL,
                 )
             )
-        time.sleep(1)
+        for addr in self.addrs:  # each sshd listening (a fixed second raced it under load)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection((addr, 22), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"no sshd on {addr} in 30 s"
+                    time.sleep(0.05)
 
     def ssh(self, addr: str, command: str, stdin: str = "") -> str:
         """``command`` run by sh on host ``addr`` as root (its own /tmp)."""
@@ -217,10 +226,20 @@ def test_two_host_ssh_session(hosts):
         status = text_of(k.run("%dist_status"))
         assert status.count(a) == 2 and status.count(b) == 2  # tiles name their host
         assert states(k) == ["idle"] * 4  # known from the controller, not from local pids
-        k.run("%%dist --background\nimport time\ndef crunch():\n    time.sleep(4)\ncrunch()")
-        time.sleep(1.5)
+        gate = os.path.join(hosts.tmp, "gate")  # bound into both hosts' /tmp
+        open(gate, "w").close()
+        k.run(
+            f"%%dist --background\nimport os, time\ndef crunch():\n"
+            f"    while os.path.exists({gate!r}):\n        time.sleep(0.05)\ncrunch()"
+        )
         assert states(k) == ["busy"] * 4
-        stacks = text_of(k.run("%dist_stacks"))  # over the store: no shared /tmp
+        deadline = time.monotonic() + 60
+        while True:  # every rank in it (a slow start is no failure), or 60 s
+            stacks = text_of(k.run("%dist_stacks"))  # over the store: no shared /tmp
+            if stacks.count("in crunch") == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        os.remove(gate)
         assert stacks.count("in crunch") == 4, stacks
         k.run(
             "import time\nwhile 'busy' in [r.state for r in dist_session.status()]: time.sleep(0.2)"

@@ -146,11 +146,13 @@ def test_fd_writes_at_the_end_of_a_cell_reach_that_cell_for_every_rank(kernel, r
 
 def test_output_of_a_thread_after_its_cell_shows_in_the_next_cell_marked_late(kernel, ranks):
     kernel.run(
-        "%%dist\nimport os, threading, time\ndef later():\n    time.sleep(0.5)\n"
-        "    print('thread says', rank)\n    os.write(2, b'fd says\\n')\n"
+        "%%dist\nimport os, threading, time\nsaid = []\ndef later():\n    time.sleep(0.5)\n"
+        "    print('thread says', rank)\n    os.write(2, b'fd says\\n')\n    said.append(1)\n"
         "threading.Thread(target=later).start()"
     )
-    time.sleep(1.5)
+    kernel.run(  # until every rank's thread wrote: after its cell, before the next
+        "import time\nwhile not all(dist_session.pull('said').values()):\n    time.sleep(0.05)"
+    )
     cell = kernel.run("%%dist\nprint('next', rank)")
     out, err = text_of(cell, "stdout"), text_of(cell, "stderr")
     for r in range(ranks):

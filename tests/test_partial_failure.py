@@ -137,6 +137,10 @@ def test_a_wait_in_work_wait_is_seen_by_the_flight_recorder_and_released(tp_kern
     assert took < BOUND, took  # not the 60 s timeout
     assert "ranks 1-3 were waiting for rank 0 in the cell's 1st all_reduce (#" in summary, summary
     assert "released" in summary
+    # gloo's wait raises its own error once the connections close: a consequence of the
+    # release, so the cell fails as released, that error chained (NCCL's "internal error")
+    errors = text_of(tp_kernel.run("print(sorted(dist_session.last.errors.items()))"))
+    assert errors.count("RankReleased: this rank's wait was released") == 3, errors
     assert_next_cell_works(tp_kernel)
 
 

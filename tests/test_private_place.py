@@ -21,7 +21,7 @@ from other_user import as_other, needs_root
 from infini_notebook.core.errors import DistUsageError
 from infini_notebook.core.plan import plan_to_json
 from infini_notebook.engine import own_files
-from infini_notebook.launch import keep, private_place
+from infini_notebook.launch import kept_sessions, private_place
 from infini_notebook.launch.machine import plan_from_options
 from infini_notebook.launch.watchdog import FOLDER_PREFIX, MARK
 
@@ -54,18 +54,20 @@ def _fake_session(place, name: str, watchdog: list, tag: str = "x", **data):
     os.mkdir(folder, 0o700)
     plan = plan_to_json(plan_from_options(None, nprocs=2, name=name, keep="1m"))
     body = {"name": name, "watchdog": watchdog, "created": 1.0, "keep_s": 60, "plan": plan}
-    keep.write_private(os.path.join(folder, keep.CONNECTION), json.dumps(body | data).encode())
+    kept_sessions.write_private(
+        os.path.join(folder, kept_sessions.CONNECTION), json.dumps(body | data).encode()
+    )
     private_place.register(name, folder)
     return folder
 
 
 def test_a_live_session_is_found_by_name_with_its_plan_and_nothing_else_is(place):
     folder = _fake_session(place, "train", _me())
-    found = keep.find("train")
+    found = kept_sessions.find("train")
     assert found.workdir == folder and found.plan.world_size == 2 and found.plan.name == "train"
-    assert list(keep.kept_sessions()) == ["train"]
+    assert list(kept_sessions.kept_sessions()) == ["train"]
     with pytest.raises(DistUsageError, match="No kept session is named 'nope'. Kept sessions: t"):
-        keep.find("nope")
+        kept_sessions.find("nope")
     assert stat.S_IMODE(os.stat(private_place.place()).st_mode) == 0o700
 
 
@@ -83,10 +85,10 @@ def test_a_stale_session_is_one_line_and_removed_with_what_it_left(place):
     os.mkdir(shm, 0o700)
     try:
         with pytest.raises(DistUsageError, match=r"Cannot attach session 'old': stale.*removed"):
-            keep.find("old")
+            kept_sessions.find("old")
         assert left.wait(10) is not None
         assert not os.path.exists(folder) and not os.path.exists(shm)
-        assert private_place.names() == [] and keep.kept_sessions() == {}
+        assert private_place.names() == [] and kept_sessions.kept_sessions() == {}
     finally:
         left.kill()
         if os.path.isdir(shm):
@@ -98,11 +100,11 @@ def test_a_folder_swapped_after_its_entry_is_refused(place):
     os.rename(folder, folder + "-moved")
     os.mkdir(folder, 0o700)  # same name, another inode
     with pytest.raises(DistUsageError, match="not the folder the session was registered with"):
-        keep.find("train")
+        kept_sessions.find("train")
     os.rmdir(folder)
     os.symlink(folder + "-moved", folder)  # a link to the real one
     with pytest.raises(DistUsageError, match="symbolic link"):
-        keep.find("train")
+        kept_sessions.find("train")
 
 
 @pytest.mark.parametrize("kind", ["fifo", "zero", "link", "mode", "pickle"])
@@ -110,7 +112,7 @@ def test_connection_data_that_is_not_ours_is_refused_at_once_in_one_line(place, 
     """A FIFO (it would hang a reader), a link to /dev/zero (it would fill memory), a link to
     a file of ours, a file others may read, an old pickled plan: each refused within 1 s."""
     folder = _fake_session(place, "bad", _me())
-    path = os.path.join(folder, keep.CONNECTION)
+    path = os.path.join(folder, kept_sessions.CONNECTION)
     os.remove(path)
     if kind == "fifo":
         os.mkfifo(path, 0o600)
@@ -124,13 +126,13 @@ def test_connection_data_that_is_not_ours_is_refused_at_once_in_one_line(place, 
             f.write("{}")
         os.chmod(path, 0o644)
     else:  # a plan as the old code wrote it: never unpickled
-        keep.write_private(path, b"\x80\x04cos\nsystem\n.")
+        kept_sessions.write_private(path, b"\x80\x04cos\nsystem\n.")
     t0 = time.monotonic()
     with pytest.raises(DistUsageError) as e:
-        keep.find("bad")
+        kept_sessions.find("bad")
     assert time.monotonic() - t0 < 1.0
     assert "\n" not in str(e.value) and "Cannot attach session 'bad'" in str(e.value)
-    assert keep.kept_sessions() == {}
+    assert kept_sessions.kept_sessions() == {}
 
 
 def test_two_kernels_claiming_one_name_at_once_one_wins(place):
@@ -139,15 +141,15 @@ def test_two_kernels_claiming_one_name_at_once_one_wins(place):
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    go = ctx.Event()
+    go, done = ctx.Event(), ctx.Event()
     results = ctx.Queue()
 
     def racer():
         go.wait()
         try:
-            keep.claim_name("race")
+            kept_sessions.claim_name("race")
             results.put("won")
-            time.sleep(1)  # a kernel still starting it
+            done.wait(60)  # a kernel still starting it, until every racer has tried
         except DistUsageError as e:
             results.put(str(e))
 
@@ -156,13 +158,14 @@ def test_two_kernels_claiming_one_name_at_once_one_wins(place):
         p.start()
     go.set()
     said = [results.get(timeout=30) for _ in procs]
+    done.set()
     for p in procs:
         p.join(10)
     assert said.count("won") == 1, said
     lost = [s for s in said if s != "won"]
     assert all("is being started by kernel pid" in s and "\n" not in s for s in lost), lost
-    keep.claim_name("race")  # its kernel ended: the claim is stale, the name free
-    keep.release_name("race")
+    kept_sessions.claim_name("race")  # its kernel ended: the claim is stale, the name free
+    kept_sessions.release_name("race")
     assert private_place.names() == []
 
 
@@ -173,12 +176,12 @@ def test_writes_never_go_through_a_planted_link(place, tmp_path):
     # every temporary name a writer could use is a link: the write goes around them
     for i in range(64):
         os.symlink(target, os.path.join(folder, f".lease.json.{i:08x}"))
-    keep.write_private(os.path.join(folder, "lease.json"), b'{"a": 1}')
+    kept_sessions.write_private(os.path.join(folder, "lease.json"), b'{"a": 1}')
     assert target.read_text() == "untouched"
     assert json.loads(own_files.read(os.path.join(folder, "lease.json"), 100)) == {"a": 1}
     os.remove(os.path.join(folder, "lease.json"))
     os.symlink(target, os.path.join(folder, "lease.json"))
-    keep.write_private(os.path.join(folder, "lease.json"), b"{}")  # replaces the link
+    kept_sessions.write_private(os.path.join(folder, "lease.json"), b"{}")  # replaces the link
     assert target.read_text() == "untouched"
     assert not os.path.islink(os.path.join(folder, "lease.json"))
 
@@ -260,12 +263,12 @@ def test_planted_sessions_links_and_fifos_in_tmp_are_never_seen(place, shared_fo
         racing.start()
         t0 = time.monotonic()
         while racing.is_alive():
-            assert list(keep.kept_sessions()) == ["train"]
-            assert keep.find("train").workdir == folder
+            assert list(kept_sessions.kept_sessions()) == ["train"]
+            assert kept_sessions.find("train").workdir == folder
         racing.join()
         assert time.monotonic() - t0 < 60
         assert not os.path.exists(marker)  # the pickle never ran
-        assert keep.find("train").workdir.startswith(str(place))
+        assert kept_sessions.find("train").workdir.startswith(str(place))
     finally:
         del os.environ["TMPDIR"]
 
@@ -335,17 +338,17 @@ def test_sessions_that_are_ending_are_not_listed(place):
     from infini_notebook.launch.watchdog import DETACHED, LEASE
 
     ending = _fake_session(place, "ending", _me(), tag="e")
-    keep.write_private(
+    kept_sessions.write_private(
         os.path.join(ending, LEASE), json.dumps({"keep_s": 60, "end": True}).encode()
     )
     late = _fake_session(place, "late", _me(), tag="l")
-    keep.write_private(os.path.join(late, LEASE), json.dumps({"keep_s": 60}).encode())
-    keep.write_private(os.path.join(late, DETACHED), repr(time.time() - 61).encode())
+    kept_sessions.write_private(os.path.join(late, LEASE), json.dumps({"keep_s": 60}).encode())
+    kept_sessions.write_private(os.path.join(late, DETACHED), repr(time.time() - 61).encode())
     waiting = _fake_session(place, "waiting", _me(), tag="w")
-    keep.write_private(os.path.join(waiting, LEASE), json.dumps({"keep_s": 60}).encode())
-    keep.write_private(os.path.join(waiting, DETACHED), repr(time.time() - 30).encode())
-    assert list(keep.kept_sessions()) == ["waiting"]
-    row = keep.describe(keep.find("waiting"))
+    kept_sessions.write_private(os.path.join(waiting, LEASE), json.dumps({"keep_s": 60}).encode())
+    kept_sessions.write_private(os.path.join(waiting, DETACHED), repr(time.time() - 30).encode())
+    assert list(kept_sessions.kept_sessions()) == ["waiting"]
+    row = kept_sessions.describe(kept_sessions.find("waiting"))
     assert row["driver"].startswith("detached, ends in 2") or "ends in 3" in row["driver"], row
 
 

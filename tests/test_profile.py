@@ -159,13 +159,15 @@ def test_the_merged_trace_has_a_track_per_rank_on_one_clock(profiled):
             ends.setdefault(e["pid"], []).append(e["ts"] + e["dur"])
     assert sorted(ends) == [0, 1, 2, 3] and {len(v) for v in ends.values()} == {STEPS}
     ends = {r: sorted(v) for r, v in ends.items()}
-    # Each rank's clock error: its median distance from the others' ends, over the steps.
-    # (One event may end ms apart: gloo's worker threads wake late on 2 loaded cores.)
+    # Each rank's clock error: its distance from the others' ends. A wrong clock puts a rank
+    # off by the same amount at every step; gloo's worker threads, waking late on loaded
+    # cores, put an end ms off at some steps only (2 of 4 steps 5-6 ms off with three test
+    # workers on 2 cores, 2026-11-28). So the closest step is the clock's error bound.
     for r in range(4):
         gaps = [
             abs(ends[r][i] - statistics.median(ends[o][i] for o in range(4))) for i in range(STEPS)
         ]
-        assert statistics.median(gaps) < 2000, (r, gaps)  # µs
+        assert min(gaps) < 2000, (r, gaps)  # µs
     for r in range(4):  # each rank's own trace, with what HTA reads
         own = json.load(open(tables["files"][str(r)]))
         assert own["distributedInfo"]["rank"] == r

@@ -14,7 +14,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from tests.conftest import REPO as REPO_ROOT
-from tests.conftest import use_session
+from tests.conftest import text_of, use_session
 
 # x is the rank; y, z depend on it: what each rank's frame shows is checked against this
 DIST_CELL = "%%dist\nx = rank\ny = x + 10\nz = y * 2\nprint('done', rank, z)\n"
@@ -50,6 +50,7 @@ class Lab:
         self.events: list[dict] = []
         self.streams: dict[str, str] = {}  # stdout text per request id
         self.displays: list[str] = []  # every text/plain shown (status lines updated too)
+        self.idle: set[str] = set()  # requests whose idle status came (their output ended)
 
     def request(self, command: str, arguments: dict | None = None, timeout: float = 30):
         self.seq += 1
@@ -83,6 +84,8 @@ class Lab:
         except queue.Empty:
             return
         kind, parent = msg["header"]["msg_type"], msg["parent_header"].get("msg_id")
+        if kind == "status" and msg["content"].get("execution_state") == "idle":
+            self.idle.add(parent)
         if kind == "debug_event":
             self.events.append(msg["content"])
         elif kind == "stream":
@@ -100,8 +103,8 @@ class Lab:
             except queue.Empty:
                 continue
             if rep["parent_header"].get("msg_id") == msg_id:
-                end = time.monotonic() + 0.5  # the output that trails the reply
-                while time.monotonic() < end:
+                # the output that trails the reply ends with the request's idle status
+                while msg_id not in self.idle and time.monotonic() < deadline:
                     self._read_iopub(0.05)
                 return rep["content"]
         raise TimeoutError("execute_reply")
@@ -111,7 +114,8 @@ class Lab:
         init = {"clientID": "jupyterlab", "clientName": "JupyterLab", "adapterID": "python"}
         init |= {"pathFormat": "path", "linesStartAt1": True, "columnsStartAt1": True}
         init |= {"supportsVariableType": True, "supportsVariablePaging": True}
-        assert self.request("initialize", init)["success"]
+        init = self.request("initialize", init)
+        assert init["success"], f"the kernel could not start debugpy: {init}"
         assert self.request("attach")["success"]
         assert self.request("debugInfo")["body"]["isStarted"]
 
@@ -136,11 +140,27 @@ class Lab:
         self.kc.stop_channels()
 
 
+# Why ipykernel's debugger could not start (failed once on three workers, reason not kept):
+# its start() runs debugpy.listen on a port it chose and freed, and keeps only "not ok".
+RELISTEN = """\
+import debugpy
+_c = get_ipython().kernel.debugger.debugpy_client
+try:
+    debugpy.listen((_c.debugpy_host, int(_c.debugpy_port)))
+    print('it listens now on', _c.debugpy_port)
+except Exception as _e:
+    print(repr(_e), 'on port', _c.debugpy_port)"""
+
+
 @pytest.fixture(scope="module")
 def lab(kernel):
     use_session(kernel, "--nprocs 2")
     lab = Lab(kernel.client.km.connection_file)
-    lab.start()
+    try:
+        lab.start()
+    except AssertionError as e:  # ipykernel drops listen's error: ask again, to say why
+        why = text_of(kernel.run(RELISTEN))
+        raise AssertionError(f"{e}; debugpy.listen again: {why}") from None
     yield lab
     lab.stop()
 
@@ -378,7 +398,6 @@ def test_dist_debugpy_bridges_an_editor_of_this_user_only(kernel, lab):
 
     import psutil
 
-    from tests.conftest import text_of
     from tests.other_user import as_other
 
     shown = text_of(kernel.run("%dist_debugpy --rank 1"))

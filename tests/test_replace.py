@@ -84,6 +84,20 @@ def test_a_rank_that_exits_mid_cell_is_named_and_replaced_alone(four):
     notes = ast.literal_eval(text_of(four.run("print([r.note for r in dist_session.status()])")))
     assert notes[2].startswith("replaced ") and notes[2].endswith(" s ago"), notes
     assert notes[0] == notes[1] == notes[3] == ""
+    # the new rank decides as the survivors: on NCCL they aborted and it is told not to bind
+    # (binds_device); on gloo nobody aborts, so nothing changes
+    cfgs = text_of(
+        four.run(
+            "%%dist\nfrom infini_notebook.engine.bootstrap import _STATE\n"
+            "print('BIND', _STATE['cfg'].get('bind_device', True))"
+        )
+    )
+    assert [line.split("BIND ")[1] for line in cfgs.splitlines() if "BIND" in line] == [
+        "True",
+        "True",
+        "True",
+        "True",
+    ], cfgs
 
 
 @pytest.mark.parametrize("how", ["SIGKILL while idle", "SIGSEGV mid-cell", "SIGKILL mid-cell"])
@@ -124,3 +138,46 @@ def test_bad_flags_are_refused_in_one_line(four):
     assert "--hard restarts every rank; --ranks only some" in message(both)
     outside = four.run("%dist_restart --ranks 7", allow_error=True)
     assert "7" in message(outside) and "0-3" in message(outside), message(outside)
+
+
+def test_only_a_fresh_gpu_rank_that_never_aborted_binds_its_device():
+    from infini_notebook.engine.bootstrap import binds_device
+
+    assert binds_device("cuda", {}, aborted=False)  # a start or hard restart: every rank
+    assert not binds_device("cuda", {}, aborted=True)  # survivors of a release or replace
+    assert not binds_device("cuda", {"bind_device": False}, aborted=False)  # their new peer
+    assert not binds_device("cpu", {}, aborted=False)  # gloo binds nothing
+
+
+WOULD_BIND = """%%dist
+from infini_notebook.engine import bootstrap, wait_probe
+cfg, aborted = bootstrap._STATE['cfg'], wait_probe.aborted_before()
+print('WOULD', bootstrap.binds_device('cuda', cfg, aborted))"""
+
+
+def would_bind(kernel) -> list[str]:
+    """What each rank, in rank order, would decide on a GPU at the next rebuild."""
+    out = text_of(kernel.run(WOULD_BIND))
+    return [line.split("WOULD ")[1] for line in out.splitlines() if "WOULD" in line]
+
+
+def test_a_rebuild_after_some_ranks_aborted_has_every_rank_decide_alike(four):
+    """A release on NCCL aborts only the ranks it released (tp=2: ranks 2 and 3 finished,
+    0 and 1 aborted); at the rebuild the finished ones bound their device and split their
+    groups while the aborted ones made each anew, and each side waited for the other. Now
+    the kernel asks every rank and tells all one answer. On gloo no rank aborts, so the
+    abort is marked here (wait_probe's flag, as abort_groups sets it) on ranks 0 and 1."""
+    fresh_start(four)
+    four.run("%%dist --ranks 0,1\nfrom infini_notebook.engine import wait_probe\n"
+             "wait_probe._aborted.append(True)")  # fmt: skip
+    try:
+        assert would_bind(four) == ["False", "False", "True", "True"]  # mixed: a hang
+        four.run("%dist_restart")
+        assert would_bind(four) == ["False"] * 4
+        assert_whole(check(four), kept={0, 1, 2, 3})  # the groups work, variables kept
+    finally:  # the module's session as it was: no abort, binding allowed
+        four.run(
+            "%%dist\nfrom infini_notebook.engine import bootstrap, wait_probe\n"
+            "wait_probe._aborted.clear(); bootstrap._STATE['cfg']['bind_device'] = True"
+        )
+    assert would_bind(four) == ["True"] * 4

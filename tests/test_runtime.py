@@ -81,13 +81,15 @@ def test_run_where_picks_the_ranks_at_layout_coordinates(session4):
         session4.run("1", where="xx=1")
 
 
-def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks):
+def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks, tmp_path):
     kernel = two_ranks
+    gate = tmp_path / "gate"  # the ranks crunch until the test removes it
+    gate.touch()
     kernel.run(
-        "%%dist --background\nimport time\ndef crunch():\n    time.sleep(8)\ncrunch()\n"
+        f"%%dist --background\nimport os, time\ndef crunch():\n"
+        f"    while os.path.exists({str(gate)!r}):\n        time.sleep(0.05)\ncrunch()\n"
         "print('background done', rank)"
     )
-    time.sleep(1)
     for line in (
         "%%dist\nprint('foreground')",
         "%%dist --ranks 1\nprint('foreground')",
@@ -101,7 +103,13 @@ def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks
         assert "%dist_interrupt" in out and "foreground" not in text_of(cell, "stdout")
         assert "Traceback" not in out
     # what --background is for still works beside it
-    assert text_of(kernel.run("%dist_stacks")).count("in crunch") == 2
+    deadline = time.monotonic() + 60
+    while True:  # both ranks in it (a slow start is no failure), or 60 s
+        stacks = text_of(kernel.run("%dist_stacks"))
+        if stacks.count("in crunch") == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert stacks.count("in crunch") == 2, stacks
     assert "['busy', 'busy']" in text_of(
         kernel.run("print([r.state for r in dist_session.status()])")
     )
@@ -112,17 +120,25 @@ def test_work_beside_a_background_cell_is_refused_and_it_is_left_alone(two_ranks
 
     threading.Thread(target=press_stop).start()
     kernel.run("import time\ntime.sleep(10)", allow_error=True)
+    gate.unlink()
     wait_idle(kernel)
     out = text_of(kernel.run("print(dist_session.last.stdout)"))
     assert "background done 0" in out and "background done 1" in out  # ran to its end
     assert "[rank 1] ok" in text_of(kernel.run("%%dist\nprint('ok')"))
 
 
-def test_interrupt_stops_the_background_cell_and_then_work_goes_on(two_ranks):
+def test_interrupt_stops_the_background_cell_and_then_work_goes_on(two_ranks, tmp_path):
     kernel = two_ranks
     assert "No background cell" in text_of(kernel.run("%dist_interrupt"))
-    kernel.run("%%dist --background --ranks 0\nimport time\ntime.sleep(60)")
-    time.sleep(1)
+    there = tmp_path / "there"
+    kernel.run(
+        "%%dist --background --ranks 0\nimport time\n"
+        f"open({str(there)!r}, 'w').close(); time.sleep(60)"
+    )
+    deadline = time.monotonic() + 60
+    while not there.exists():  # rank 0 is in the cell: the interrupt finds it there
+        assert time.monotonic() < deadline, "rank 0 did not start the cell"
+        time.sleep(0.02)
     assert "Interrupted ranks [0]" in text_of(kernel.run("%dist_interrupt"))
     wait_idle(kernel, timeout=20)
     assert "KeyboardInterrupt" in text_of(kernel.run("print(dist_session.last.errors)"))

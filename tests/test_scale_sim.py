@@ -21,18 +21,30 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_the_benchmark_runs_at_a_small_size_and_ends_with_its_json():
+def run_benchmark(name: str, ranks: int, *args: str, timeout: float) -> dict:
+    """benchmarks/``name`` at ``ranks``: its figures, from the JSON its last line prints."""
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"),
-         "--ranks", "6", "--hosts", "2", "--cells", "2"],
-        capture_output=True, text=True, timeout=240,
+        [sys.executable, os.path.join(ROOT, "benchmarks", name), "--ranks", str(ranks), *args],
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    figures = json.loads(out.stdout.strip().splitlines()[-1])["6"]
+    return json.loads(out.stdout.strip().splitlines()[-1])[str(ranks)]
+
+
+def test_the_benchmark_runs_at_a_small_size_and_ends_with_its_json():
+    figures = run_benchmark("bench_scale.py", 6, "--hosts", "2", "--cells", "2", timeout=240)
     for key in ("cell_wall_ms", "kernel_cpu_ms_per_cell", "start_s", "stop_s", "status_ms"):
         assert figures[key] > 0, figures
     # the kernel's CPU in a cell can never exceed two cores for its wall time
     assert figures["kernel_cpu_ms_per_cell"] <= 2 * figures["cell_wall_ms"] + 5, figures
+
+
+def test_the_relay_floor_runs_its_oracles_and_ends_with_its_json():
+    """benchmarks/bench_relay_floor.py: the kernel's side of a cell packed per host; the
+    oracle it shares with bench_scale checks every cell before a figure counts."""
+    figures = run_benchmark("bench_relay_floor.py", 8, "--hosts", "3", "--cells", "2", timeout=120)
+    assert set(figures) == {f"floor{p}_{m}_ms" for p in ("", "_print") for m in ("wall", "cpu")}
+    assert all(v > 0 for v in figures.values()), figures
 
 
 def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():

@@ -198,20 +198,27 @@ def test_the_question_log_is_read_whole_lines_only_and_skips_what_no_rank_wrote(
     def line(q: dict) -> bytes:  # as a rank writes it: signed with the session's key
         return signing.sign(rdzv.mac_key, log, json.dumps(q)) + b"\n"
 
+    def write(data) -> None:
+        """Append as a rank does, then wait until the store has it: TCPStore::append sends
+        without awaiting an answer (torch/csrc/distributed/c10d/TCPStore.cpp), so a read on
+        the kernel's connection could come first; a check on this one is answered after."""
+        rank.append(log, data)
+        rank.check([log])
+
     try:
         rank = session_store(rdzv.engine_fields(), timedelta(seconds=10))
         q = {"id": "1-a", "rank": 1, "prompt": "x? "}
-        rank.append(log, line(q)[:80])  # a write not finished yet
+        write(line(q)[:80])  # a write not finished yet
         assert rdzv.prompts() == []
-        rank.append(log, line(q)[80:])
+        write(line(q)[80:])
         assert rdzv.prompts() == [("1-a", q)]
-        rank.append(log, "not a question\n")
+        write("not a question\n")
         q2 = {"id": "0-b", "rank": 0, "prompt": "y? "}
-        rank.append(log, line(q2))
+        write(line(q2))
         assert rdzv.prompts() == [("0-b", q2)]  # read past the line no rank wrote
         assert rdzv.prompts() == []  # each question once
         rdzv.answer_prompt("1-a", {"value": "never read"})  # its rank died at the prompt
-        assert rank.check([prompt_key("answer", "1-a")])
+        rank.wait([prompt_key("answer", "1-a")], timedelta(seconds=10))  # set: no answer
         rdzv.drop_unread_answers()
         assert not rank.check([prompt_key("answer", "1-a")])
     finally:

@@ -21,14 +21,15 @@ from other_user import popen_as_other
 
 pytestmark = pytest.mark.timeout(600)
 
-# The attacker: waits for what it needs in the store, plants it, says "planted", then for a
-# forged stack request whether it was answered.
+# The attacker: waits for what it needs in the store, plants it, says "planted" (and, given a
+# folder, leaves a file "planted" there), then for a forged stack request whether it was
+# answered.
 ATTACKER = r"""
 import json, re, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 
-port, what = int(sys.argv[1]), sys.argv[2]
+port, what, drop = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
 deadline = time.time() + 30
 
@@ -58,6 +59,8 @@ while time.time() < deadline:
             question = {"id": "evil", "rank": 0, "q": q}
             store.set(ask, "0" * 64 + json.dumps(question))
             print("planted", flush=True)
+            if drop:
+                open(f"{drop[0]}/planted", "w").close()
             time.sleep(2)
             answer = f"{roots[0]}/infini/stacks/0/answer/evil"
             print("answered" if store.check([answer]) else "no answer", flush=True)
@@ -94,16 +97,17 @@ def drop_box():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def attack(kernel, what: str) -> subprocess.Popen:
+def attack(kernel, what: str, *more) -> subprocess.Popen:
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
-    return attacker(ATTACKER, port, what)
+    return attacker(ATTACKER, port, what, *more)
 
 
 def test_a_forged_answer_at_input_is_ignored_and_said(kernel, two):
     attacker = attack(kernel, "answer")
-    ui = Frontend(kernel, ["Ada"], think_s=3.0)  # the attacker writes first
+    # the person types once the forged answer is there, and the rank polled it (50 ms)
+    ui = Frontend(kernel, ["Ada"], think_s=1.0, before_answer=first_heard(attacker, "planted"))
     assert ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)") == "ok"
-    assert attacker.communicate(timeout=30)[0].strip() == "planted"
+    attacker.communicate(timeout=30)
     shown = "".join(ui.shown.values())
     assert "[rank 0] hello Ada" in shown, shown
     assert "EVIL" not in shown
@@ -112,25 +116,35 @@ def test_a_forged_answer_at_input_is_ignored_and_said(kernel, two):
 
 def test_a_forged_pdb_command_is_never_run(kernel, two):
     attacker = attack(kernel, "pdb")
-    ui = Frontend(kernel, ["p 6 * 7", "c"], think_s=3.0)
+    ui = Frontend(
+        kernel, ["p 6 * 7", "c"], think_s=1.0, before_answer=first_heard(attacker, "planted")
+    )
     assert ui.run("%%dist --ranks 0\nx = 1\nbreakpoint()\nprint('after', x)") == "ok"
-    assert attacker.communicate(timeout=30)[0].strip() == "planted"
+    attacker.communicate(timeout=30)
     shown = "".join(ui.shown.values())
     assert "[rank 0] 42" in shown and "[rank 0] after 1" in shown, shown
     assert "PWNED" not in shown
 
 
 @pytest.mark.parametrize("what", ["release", "stacks"])
-def test_a_forged_question_to_a_rank_is_not_acted_on(kernel, two, what):
+def test_a_forged_question_to_a_rank_is_not_acted_on(kernel, two, what, drop_box):
     """A forged "release ATTEMPT" would fail the running cell; a forged stack request would
-    be answered with every thread's stack."""
-    attacker = attack(kernel, what)
+    be answered with every thread's stack. The cell runs until 3 s after the attacker
+    planted (a fixed 3 s cell could end before an attacker still importing torch planted,
+    and the test pass without an attack on a running cell)."""
+    attacker = attack(kernel, what, drop_box)
+    planted = f"{drop_box}/planted"
     t0 = time.monotonic()
-    out = text_of(kernel.run("%%dist\nimport time\ntime.sleep(3)\nprint('finished', rank)"))
+    cell = (
+        f"%%dist\nimport os, time\nuntil = time.time() + 60\n"
+        f"while not os.path.exists({planted!r}) and time.time() < until:\n"
+        "    time.sleep(0.05)\ntime.sleep(3)\nprint('finished', rank)"
+    )
+    out = text_of(kernel.run(cell))
     said = attacker.communicate(timeout=30)[0].split()
     assert said[0] == "planted" and " ".join(said[1:]) == "no answer", said
     assert "[rank 0] finished 0" in out and "[rank 1] finished 1" in out, out
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 90
     stacks = text_of(kernel.run("%dist_stacks"))  # the kernel's own questions still work
     assert stacks.count("idle: no cell running") == 2, stacks  # both answered, verified
 
@@ -191,6 +205,19 @@ print("found" if found else "not found", len(seen), len(waited), flush=True)
 
 def heard(proc: subprocess.Popen, line: str) -> None:
     assert (said := proc.stdout.readline().strip()) == line, said
+
+
+def first_heard(proc: subprocess.Popen, line: str):
+    """A Frontend's ``before_answer``: at the first prompt, wait until the attacker says
+    ``line`` (it saw the question and planted its forgery): a person typing sooner would
+    race an attacker still importing torch on a loaded machine."""
+    waited = []
+
+    def wait():
+        if not waited:
+            waited.append(heard(proc, line))
+
+    return wait
 
 
 def recorder(kernel, mode: str, needle: str, path, seconds: float = 0) -> subprocess.Popen:
@@ -272,13 +299,21 @@ line = [x for x in store.get(log).decode(errors="replace").splitlines() if "{" i
 answer = log.replace("stdin/asks", "stdin/answer/" + json.loads(line[line.index("{"):])["id"])
 """
 
-# Deletes every answer to that prompt for 2 s (a tight loop: the rank's 50 ms poll never
-# sees one), and says how many it deleted.
+# Deletes every answer to that prompt for 2 s and at least until it deleted one, and says
+# how many it deleted. It waits on the key (the store wakes it when the answer is set, a
+# round trip before the rank's next 50 ms poll): a tight loop of deletes, preempted on a
+# loaded machine, once let the rank read the answer first; a fixed 2 s could end before a
+# person's answer came.
 DELETER = (
     FIRST_QUESTION
     + r"""
 deleted, t0 = 0, time.time()
-while time.time() - t0 < 2:
+while time.time() - t0 < 2 or not deleted:
+    assert time.time() - t0 < 60, "no answer came to delete"
+    try:
+        store.wait([answer], timedelta(seconds=0.5))
+    except Exception:  # not set within the wait: look again
+        continue
     deleted += store.delete_key(answer)
 print("deleted", deleted, flush=True)
 """

@@ -22,23 +22,36 @@ from infini_notebook.core.heartbeat import Freshness, beat, read_beat
 from infini_notebook.engine.rank_services import ALIVE_KEY, session_root
 from infini_notebook.launch.heartbeat import Heartbeat
 
+# Says "watching" once it took two fresh beats on its connection (the state every test
+# starts from; a fixed sleep raced the watcher's torch import on a loaded machine).
 WATCHER = """\
-import sys, time
+import sys, threading, time
+from infini_notebook.core import heartbeat
 from infini_notebook.engine.rank_services import watch_store
 port, lost_after, token, key = sys.argv[1:]
+linked, take = threading.Event(), heartbeat.Freshness.take
+def take_and_tell(self, seq, now):
+    fresh = take(self, seq, now)
+    if self.fresh_on_link >= 2:
+        linked.set()
+    return fresh
+heartbeat.Freshness.take = take_and_tell
 watch_store("127.0.0.1", int(port), token, key, every=0.2, lost_after=float(lost_after))
-print("watching", flush=True)
+print("watching" if linked.wait(60) else "no beats taken in 60 s", flush=True)
 time.sleep(60)
 """
 
 TOKEN, KEY = "a" * 32, signing.new_key()
 
-# Another user's store on the freed port, serving a copied beat again and again.
+# Another user's store on the freed port, serving a copied beat again and again. It imports
+# torch first and takes the port on stdin, so that it binds at once when told.
 FOREIGN = """\
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-port, key, value = int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3])
+print("ready", flush=True)
+port, key, value = sys.stdin.readline().split()
+port, value = int(port), bytes.fromhex(value)
 store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
 print("serving", flush=True)
 for _ in range(600):
@@ -196,12 +209,15 @@ def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_a
         [sys.executable, "-c", KERNEL, TOKEN, KEY],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    foreign = None
+    foreign = subprocess.Popen(  # as uid 65534 where it can: another user's store
+        [sys.executable, "-c", FOREIGN],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **popen_as_other(),
+    )  # fmt: skip
     try:
         port = int(kernel.stdout.readline())
         watcher = start_watcher(port, 3)
         assert watcher.stdout.readline().strip() == "watching"
-        time.sleep(1)  # it takes some beats
+        assert foreign.stdout.readline().strip() == "ready"
         kernel.stdin.write("stop\n")
         kernel.stdin.flush()
         assert kernel.stdout.readline().strip() == "stopped"
@@ -210,11 +226,8 @@ def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_a
         assert read_beat(KEY, copied) is not None
         del client
         end(kernel)  # SIGKILL: the kernel is gone, its port free
-        foreign = subprocess.Popen(  # as uid 65534 where it can: another user's store
-            [sys.executable, "-c", FOREIGN, str(port), f"{session_root(TOKEN)}/{ALIVE_KEY}",
-             copied.hex()],
-            stdout=subprocess.PIPE, text=True, **popen_as_other(),
-        )  # fmt: skip
+        foreign.stdin.write(f"{port} {session_root(TOKEN)}/{ALIVE_KEY} {copied.hex()}\n")
+        foreign.stdin.flush()
         assert foreign.stdout.readline().strip() == "serving"
         t0 = time.monotonic()
         code = watcher.wait(30)
@@ -223,8 +236,7 @@ def test_a_copied_heartbeat_served_from_a_foreign_store_does_not_keep_the_rank_a
         end(kernel)
         if "watcher" in locals():
             end(watcher)
-        if foreign is not None:
-            end(foreign)
+        end(foreign)
     assert code == 3, code
     said = watcher.stderr.read()
     assert "no fresh signed heartbeat" in said and "only an old heartbeat" in said, said
@@ -280,7 +292,6 @@ def test_a_beat_kept_from_the_rank_by_a_tight_loop_of_writes_never_ends_it():
     flooder = None
     try:
         assert watcher.stdout.readline().strip() == "watching"
-        time.sleep(0.5)  # it takes some beats
         flooder = subprocess.Popen(
             [sys.executable, "-c", FLOODER, str(store.port), f"{session_root(TOKEN)}/{ALIVE_KEY}",
              "6"],

@@ -53,13 +53,17 @@ def test_forked_engines_share_the_templates_heap_and_can_still_import_debugpy(se
 
 
 RANK_PIDS = "print(sorted(p.pid for p in dist_session.engines.pids.values()))"
-# A hard restart and, with no pause, a cell that keeps the ranks busy for 3 s.
+# A hard restart and, with no pause, a cell that keeps the ranks busy until GATE is gone.
 RESTART_THEN_BUSY = """\
 get_ipython().run_line_magic("dist_restart", "--hard")
-get_ipython().run_cell_magic("dist", "--background", "import time; time.sleep(3)")"""
+get_ipython().run_cell_magic(
+    "dist", "--background", "import os, time\\nwhile os.path.exists(GATE):\\n    time.sleep(0.05)"
+)"""
 
 
-def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_replaced(kernel):
+def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_replaced(
+    kernel, tmp_path
+):
     use_session(kernel, TWO)
     say = "print(dist_session.engines.template.process.pid, dist_session.engines.how)"
     first = text_of(kernel.run(say)).split()[0]
@@ -69,7 +73,9 @@ def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_repl
     before = text_of(kernel.run(RANK_PIDS)).strip()
     assert spares != before and len(eval(spares)) == 2
 
-    said = text_of(kernel.run(RESTART_THEN_BUSY, timeout=180))  # the spares become the ranks
+    gate = tmp_path / "gate"
+    gate.touch()
+    said = text_of(kernel.run(RESTART_THEN_BUSY.replace("GATE", repr(str(gate))), timeout=180))
     assert "Restarted (engines restarted)" in said
     assert text_of(kernel.run(RANK_PIDS)).strip() == spares
     kept, how = text_of(kernel.run(say)).split(" ", 1)
@@ -78,6 +84,7 @@ def test_spares_forked_once_idle_make_a_hard_restart_and_a_dead_template_is_repl
     # No new spares while a cell keeps the ranks busy: their start would slow it.
     waiting = "import time; time.sleep(2); print(dist_session.engines.standby.launch.done())"
     assert text_of(kernel.run(waiting)).strip() == "False"
+    gate.unlink()
     kernel.run("dist_session.background.join(30)")
     out = text_of(kernel.run("%%dist\nx = torch.ones(1); dist.all_reduce(x); print(x.item())"))
     assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out

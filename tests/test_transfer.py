@@ -198,11 +198,26 @@ slow = [torch.ones(1 << 20), Slow()]
 
 def test_an_interrupted_pull_leaves_no_file(session4):
     session4.run(SLOW, echo=False)
-    main = threading.get_ident()
-    timer = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
-    with pytest.raises(DistInterrupted):
-        session4.pull("slow")
+    main, pulling = threading.get_ident(), threading.Event()
+
+    def interrupt_mid_transfer():  # once every rank wrote its file: else nothing to leave
+        deadline = time.monotonic() + 15  # the ranks stall for 20 s
+        while len(session_files(session4)) < 4:
+            if time.monotonic() > deadline or not pulling.is_set():
+                return  # never into whatever the main thread runs next
+            time.sleep(0.05)
+        time.sleep(1.5)  # into the wait for the stalled ranks: the gap between a pull's steps
+        # does not turn Stop into DistInterrupted (a raw KeyboardInterrupt crashed a worker)
+        if pulling.is_set():
+            signal.pthread_kill(main, signal.SIGINT)
+
+    pulling.set()
+    threading.Thread(target=interrupt_mid_transfer, daemon=True).start()
+    try:
+        with pytest.raises(DistInterrupted):
+            session4.pull("slow")
+    finally:
+        pulling.clear()
     assert session_files(session4) == []
     deadline = time.monotonic() + 20  # the ranks were sent SIGINT: they come back
     while time.monotonic() < deadline:

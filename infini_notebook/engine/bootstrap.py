@@ -234,7 +234,7 @@ def init_distributed(cfg: dict) -> None:
     # (torch 2.11, NCCL 2.28.9, H100, 2026-11-26: faulthandler in dist.split_group on every
     # rank of the rebuild; the same rebuild without splits ran, scripts/nccl_release_probe.py),
     # so the rebuilt groups init lazily, each its own communicator (docs/gpu.md).
-    bind = device.type == "cuda" and not wait_probe.aborted_before()
+    bind = binds_device(device.type, cfg, wait_probe.aborted_before())
     dist.init_process_group(
         cfg["backend"],
         store=store,
@@ -247,6 +247,23 @@ def init_distributed(cfg: dict) -> None:
     layout = ParallelLayout(**cfg["layout"])
     ns.update(rank_namespace(layout, device, cfg["local_rank"], timeout=timeout))
     _STATE["groups"] = ns["groups"]
+
+
+def binds_device(device_type: str, cfg: dict, aborted: bool) -> bool:
+    """Whether this rank's default group binds its device (see init_distributed). Every rank
+    must decide alike: a bound rank splits its groups from the world's communicator, an
+    unbound one makes each anew, and mixed they wait on each other for ever (H100, 2026-11-28:
+    a rank replaced after an abort bound its device and hung the rebuild). A rank that
+    replaces one among ranks that aborted is told not to (recovery.replace_ranks); at a
+    rebuild the kernel asks every rank (``can_bind``) and tells all of them one answer
+    (``reinit_distributed``'s ``bind``), kept through later rebuilds (``_STATE["cfg"]``)."""
+    return device_type == "cuda" and cfg.get("bind_device", True) and not aborted
+
+
+def can_bind() -> bool:
+    """This rank's vote for the next rebuild (recovery.bind_decision): no once it aborted
+    communicators (a release on NCCL) or was told not to bind."""
+    return bool(_STATE["cfg"].get("bind_device", True)) and not wait_probe.aborted_before()
 
 
 def attempt_prefix(cfg: dict, what: str = "") -> str:
@@ -353,16 +370,17 @@ def destroy_aborted() -> None:
         pass
 
 
-def reinit_distributed(attempt: int, attempt_key: str, peer_lost: bool = False) -> dict:
+def reinit_distributed(attempt: int, attempt_key: str, peer_lost: bool, bind: bool) -> dict:
     """New process groups under ``attempt``. ``peer_lost``: a rank is being replaced; its
     NCCL communicators are aborted, not destroyed (a destroy may wait on the dead peer).
+    ``bind``: the kernel's one answer for every rank (recovery.bind_decision).
 
     Not ``dist.shrink_group`` (torch 2.13, distributed_c10d.py ``shrink_group``): it returns
     a *smaller* group of the ranks that stay, renumbered, and shrinking the default group
     destroys every other group; torch 2.13 binds no grow (``ncclCommGrow``) to bring a new
     rank in. A replaced rank keeps its number and the layout its size, so the communicators
     are made anew (issue 51)."""
-    cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key)
+    cfg = dict(_STATE["cfg"], attempt=attempt, attempt_key=attempt_key, bind_device=bind)
     _set_environment(cfg)  # TORCHELASTIC_RESTART_COUNT follows the attempt
     import torch.distributed as dist
 

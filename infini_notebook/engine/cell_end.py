@@ -79,8 +79,17 @@ def install(shell) -> None:
         error = finish(result.success)
         _tell("end")
         if error is not None:
+            own = result.error_in_exec
             if result.success:
                 shell.showtraceback((type(error), error, None), exception_only=True)
+                result.error_in_exec = error
+            elif isinstance(error, RankReleased) and isinstance(own, RuntimeError):
+                # the cell's code raised after the release a RuntimeError, as the abort makes
+                # them (torch's DistError family: NCCL's "internal error", a lazy init that
+                # never met the failed rank; gloo's closed connection), not a ValueError of
+                # its own or a Stop: a consequence. The reply names the release; its
+                # traceback, already shown, stays that error's (ipykernel's _last_traceback).
+                error.__cause__ = own
                 result.error_in_exec = error
         with _lock:
             if _state["last"] is not None:

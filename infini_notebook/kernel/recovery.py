@@ -40,12 +40,15 @@ def soft_restart(s, after_failure: bool = False) -> None:
             "code (stuck in native code?). See %dist_stacks; use %dist_restart --hard."
         )
     attempt, nonce = s.rendezvous.attempt, s.rendezvous.nonce
-    with s.engines.client.lock:
-        pending = {
-            r: s.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce)
-            for r in range(s.world_size)
-        }
+    bind = bind_decision(s, range(s.world_size))  # asking changes nothing yet
     try:
+        with s.engines.client.lock:
+            pending = {
+                r: s.engines.view(r).apply_async(
+                    bootstrap.reinit_distributed, attempt, nonce, False, bind
+                )
+                for r in range(s.world_size)
+            }
         infos = s.engines.client.gather(pending, what="restart", timeout=60)
     except DistCellError as e:
         s.book.groups_broken(f"a rebuild failed half way ({e.summary})", HARD_FIX)
@@ -85,13 +88,18 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
         s.engines.replace(sorted(ranks), progress)
         step = "making the process groups anew on every rank"
         attempt, nonce = s.rendezvous.attempt, s.rendezvous.nonce
+        # the survivors abort their communicators on NCCL (peer_lost): none binds then
+        bind = "nccl" not in s.plan.backend and bind_decision(s, sorted(others))
         with s.engines.client.lock:
             pending = {
-                r: s.engines.view(r).apply_async(bootstrap.reinit_distributed, attempt, nonce, True)
+                r: s.engines.view(r).apply_async(
+                    bootstrap.reinit_distributed, attempt, nonce, True, bind
+                )
                 for r in sorted(others)
             }
             for r in ranks:
                 cfg = startup.engine_config(s.plan, s.rendezvous, s.folder, r)
+                cfg["bind_device"] = bind
                 pending[r] = s.engines.view(r).apply_async(bootstrap.bootstrap, cfg)
         infos = s.engines.client.gather(pending, what="replace", timeout=s.plan.timeout + 60)
     except (DistCellError, DistUsageError) as e:
@@ -151,6 +159,18 @@ def hard_restart(s, progress=None) -> None:
             getattr(e, "report", ""),
             getattr(e, "ranks", []),
         ) from None
+
+
+def bind_decision(s, ranks) -> bool:
+    """Whether every rank binds its device at this rebuild: one answer for all, since a
+    bound rank splits its groups from the world's communicator and an unbound one makes
+    each anew, and mixed they wait on each other for ever (bootstrap.binds_device). No once
+    any of ``ranks`` aborted communicators: a release on NCCL aborts only the ranks it
+    released, so the others alone would still bind."""
+    with s.engines.client.lock:
+        pending = {r: s.engines.view(r).apply_async(bootstrap.can_bind) for r in ranks}
+    what = "asking each rank whether it binds its device (nothing changed yet)"
+    return all(s.engines.client.gather(pending, what=what, timeout=60).values())
 
 
 def rebuild_after_release(s) -> str:

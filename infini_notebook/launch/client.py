@@ -22,6 +22,7 @@ from ..core.errors import DistCellError, DistUsageError
 from ..core.output import error_report, error_summary, one_line, remote_traceback
 from ..core.plan import SessionPlan
 from ..core.ranks import rank_label
+from . import reply_dates
 
 log = logging.getLogger("infini_notebook")
 
@@ -160,10 +161,7 @@ class Client:
         self.in_loop(self._cluster.start_controller(**options))
         wait_for_files(self._cluster.controller)
         self._client = self.in_loop(self._cluster.connect_client())
-        # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
-        # after some thousand cells. Messages travel on loopback or CurveZMQ.
-        self._client.session.digest_history_size = DIGEST_HISTORY
-        self._follow_registrations()
+        self._tune_client()
 
     def attach(self, profile_dir: str, cluster_id: str) -> None:
         """A kept session's running controller (see keep.py): its Cluster as ipyparallel
@@ -179,7 +177,13 @@ class Client:
             return cluster, await cluster.connect_client()
 
         self._cluster, self._client = self.in_loop(reconnect(), timeout=60)
+        self._tune_client()
+
+    def _tune_client(self) -> None:
+        # Signatures of received messages, kept against replays: 2**16 by default, ~10 MB
+        # after some thousand cells. Messages travel on loopback or CurveZMQ.
         self._client.session.digest_history_size = DIGEST_HISTORY
+        reply_dates.install()  # each rank's reply date read without dateutil (see there)
         self._follow_registrations()
 
     def _follow_registrations(self) -> None:

@@ -95,10 +95,10 @@ class Engines:
 
     def _write_map(self) -> None:
         """The rank -> engine map in the session's folder: what a kernel attaching a kept
-        session reads (see keep.py)."""
+        session reads (see kept_sessions.py)."""
         import json
 
-        from .keep import RANKS, write_private
+        from .kept_sessions import RANKS, write_private
 
         proc = self.template.process
         template = [proc.pid, proc.create_time()] if self.template.alive() else None
@@ -113,7 +113,7 @@ class Engines:
 
     def attach(self, mapped: dict, pids: dict[int, int]) -> None:
         """A kept session's engines, as the kernel that drove it left them (``mapped``:
-        keep.Kept.ranks()); ``pids``: each live rank's engine pid. Spare engines that
+        kept_sessions.Kept.ranks()); ``pids``: each live rank's engine pid. Spare engines that
         kernel forked are ended (this one forks its own once idle)."""
         self._eids, self._set_id, self.how = list(mapped["eids"]), mapped["set_id"], mapped["how"]
         self._replacements = list(mapped.get("replacements", []))

@@ -1,7 +1,7 @@
 """The MCP server's work on a session, without the protocol: each tool is one method here over
 the public session API (``cluster.start``/``attach``/``current``, ``Session`` methods,
-``launch/keep``), returning the models of ``results.py``. Methods are synchronous and block;
-the server calls them on worker threads (server.py).
+``launch/kept_sessions``), returning the models of ``results.py``. Methods are synchronous
+and block; the server calls them on worker threads (server.py).
 
 One session per server process, as per kernel (``cluster._current``). A cell runs as the
 notebook's ``%%dist --background`` does (``Session.run_background``), so a cell still running
@@ -27,7 +27,7 @@ from ..core.ranks import parse_ranks, rank_label
 from ..core.state import CellResult
 from ..engine import describe
 from ..kernel import supervision
-from ..launch import keep
+from ..launch import kept_sessions
 from . import results as R
 
 # ``progress(done, total, message)``: how a long call reports how far it got
@@ -141,14 +141,14 @@ class Driver:
             return self._info(s, line, s.status())
 
     def sessions(self) -> R.SessionsResult:
-        rows = [keep.describe(k) for _, k in sorted(keep.kept_sessions().items())]
+        rows = [kept_sessions.describe(k) for _, k in sorted(kept_sessions.kept_sessions().items())]
         return R.SessionsResult(sessions=rows)
 
     def stop(self, name: str | None = None) -> R.StopResult:
         with self.lock:
             s = cluster.current()
             if name and (s is None or s.plan.name != name):
-                keep.stop(name)
+                kept_sessions.stop(name)
                 return R.StopResult(message=f"Session {name!r} stopped.")
             if s is None:
                 lost = cluster.lost()
