@@ -693,6 +693,20 @@ VARIABLES_JS = """() => Object.fromEntries([...document.querySelectorAll(
   '.jp-DebuggerVariables-body:not(.lm-mod-hidden) .jp-DebuggerVariables-name')].map(
   (e) => [e.innerText.trim(), e.nextElementSibling?.innerText.trim()]))"""
 
+# The first Callstack frame's name and location with the Variables panel, once the two show
+# one rank (its variable rank) and x has arrived; else null, and playwright asks again.
+STOPPED_RANK_JS = f"""() => {{
+  const frame = document.querySelector('.jp-DebuggerCallstackFrame');
+  if (!frame) return null;
+  const text = (sel) => frame.querySelector(sel)?.innerText.trim() ?? '';
+  const name = text('.jp-DebuggerCallstackFrame-name');
+  const where = text('.jp-DebuggerCallstackFrame-location');
+  const vars = ({VARIABLES_JS})();
+  const m = /^rank (\\d): <module>$/.exec(name);
+  if (!m || vars.rank !== m[1] || vars.x === undefined) return null;
+  return {{name, where, vars}};
+}}"""
+
 
 def check_debugger(page, shots) -> None:
     """Issue 52: with the debugger on (the bug in the notebook's toolbar), a click in the
@@ -711,16 +725,13 @@ def check_debugger(page, shots) -> None:
     listed.wait_for(timeout=10_000)
     assert listed.inner_text().strip() == "3"
     run_cells(page, DEBUG_CELL, DEBUG_CELL + 1)
-    frame = page.locator(".jp-DebuggerCallstackFrame").first
-    frame.wait_for(timeout=60_000)
-    name = frame.locator(".jp-DebuggerCallstackFrame-name").inner_text().strip()
-    found = re.fullmatch(r"rank (\d): <module>", name)
-    assert found and int(found[1]) < 4, name
-    rank = int(found[1])
-    where = frame.locator(".jp-DebuggerCallstackFrame-location").inner_text().strip()
+    # The ranks stop one after another and the panels follow the latest: the frame and the
+    # variables are read in one evaluation, once they show one rank.
+    seen = page.wait_for_function(STOPPED_RANK_JS, timeout=60_000).json_value()
+    found = re.fullmatch(r"rank (\d): <module>", seen["name"])
+    assert found and int(found[1]) < 4, seen
+    rank, where, shown = int(found[1]), seen["where"], seen["vars"]
     assert where.endswith(":3"), where  # the editor's line, the %%dist line counted
-    page.wait_for_function(f"() => ({VARIABLES_JS})().x !== undefined", timeout=30_000)
-    shown = page.evaluate(VARIABLES_JS)
     assert (shown["x"], shown["rank"]) == (str(rank * 10), str(rank)), shown
     assert "y" not in shown, shown  # line 3 has not run yet
     assert "] after" not in cell.inner_text()  # every rank is held at the breakpoint

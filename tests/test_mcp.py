@@ -422,10 +422,13 @@ def test_http_listens_on_loopback_only_and_holds_the_port_on_both_addresses():
         sock.close()
 
 
+# Takes ::1 at a port it first found free on 127.0.0.1: a port of ::1 alone could be held on
+# 127.0.0.1 by another test's process, and the server's refusal would name that cause.
 SQUATTER = (
     "import socket, sys\n"
-    "s = socket.socket(socket.AF_INET6); s.bind(('::1', 0)); s.listen(8)\n"
-    "print(s.getsockname()[1], flush=True); sys.stdin.read()\n"
+    "v4 = socket.socket(); v4.bind(('127.0.0.1', 0)); port = v4.getsockname()[1]\n"
+    "s = socket.socket(socket.AF_INET6); s.bind(('::1', port)); s.listen(8); v4.close()\n"
+    "print(port, flush=True); sys.stdin.read()\n"
 )
 
 

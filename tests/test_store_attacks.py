@@ -11,8 +11,11 @@ so the forgery is there first)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -307,6 +310,7 @@ answer = log.replace("stdin/asks", "stdin/answer/" + json.loads(line[line.index(
 DELETER = (
     FIRST_QUESTION
     + r"""
+print("question", flush=True)
 deleted, t0 = 0, time.time()
 while time.time() - t0 < 2 or not deleted:
     assert time.time() - t0 < 60, "no answer came to delete"
@@ -314,21 +318,49 @@ while time.time() - t0 < 2 or not deleted:
         store.wait([answer], timedelta(seconds=0.5))
     except Exception:  # not set within the wait: look again
         continue
-    deleted += store.delete_key(answer)
+    if store.delete_key(answer):
+        deleted += 1
+        if deleted == 1:
+            print("first", flush=True)
 print("deleted", deleted, flush=True)
 """
 )
+
+
+def hold_while_deleting(deleter: subprocess.Popen, pid: int) -> threading.Thread:
+    """Rank 0 (a pid its session started) is stopped from the question until the deleter's
+    first delete: on a loaded machine the rank's 50 ms poll could read the answer before the
+    deleter's wait woke, and then no attack landed."""
+
+    def hold():
+        try:
+            if deleter.stdout.readline().strip() == "question":
+                os.kill(pid, signal.SIGSTOP)
+                deleter.stdout.readline()  # "first", or "" if the deleter ended
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_an_answer_deleted_from_the_store_is_sent_again(kernel, two):
     """Issue 49 item 4: a question whose answer was deleted never hangs; it is asked again,
     and the kernel says so once."""
     port = int(text_of(kernel.run("print(dist_session.rendezvous.port)")).strip())
+    pid = int(text_of(kernel.run("print(dist_session.status()[0].pid)")).strip())
     deleter = attacker(DELETER, port)
     assert deleter.stdout.readline().strip() == "ready"
+    holder = hold_while_deleting(deleter, pid)
     ui = Frontend(kernel, ["Ada"], think_s=1.0)
     t0 = time.monotonic()
-    assert ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)") == "ok"
+    try:
+        ran = ui.run("%%dist --ranks 0\nname = input('your name? ')\nprint('hello', name)")
+    finally:
+        holder.join(30)
+        os.kill(pid, signal.SIGCONT)
+    assert ran == "ok"
     said = deleter.communicate(timeout=30)[0].split()
     assert said[0] == "deleted" and int(said[1]) >= 1, said
     shown = "".join(ui.shown.values())

@@ -333,7 +333,10 @@ def test_status_shows_rss_and_cpu_rising_while_a_cell_runs(session4):
     assert "RSS " in tiles[0] and "CPU " in tiles[1]
 
 
-def test_session_value_shows_status_with_fallbacks(session4):
+def test_session_value_shows_status_with_fallbacks(session4, monkeypatch):
+    # both renders read one snapshot: a rank's CPU share moves between two reads
+    snapshot = session4.status()
+    monkeypatch.setattr(session4, "status", lambda: snapshot)
     bundle = viz.session_mimebundle(session4)  # no kernel here: static renders only
     assert WIDGET not in bundle
     assert bundle["text/plain"].startswith("<infini_notebook.Session running: 4 ranks")
