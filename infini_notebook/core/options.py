@@ -76,6 +76,13 @@ class StartOptions:
         "restart only has to set them up)",
     )
 
+    relay: bool = _opt(
+        False,
+        action="store_true",
+        help="send each cell once to a relay process on the ranks' host, which hands it to "
+        "each rank and sends the kernel their answers packed: the kernel's cost per cell "
+        "grows with hosts, not ranks (docs/scale.md; ranks on this machine, not with --keep)",
+    )
     name: str | None = _opt(help="the session's name, for %%dist_attach NAME (with --keep)")
     keep: str | None = _opt(
         help="keep the session when the kernel dies or restarts: its ranks wait this long "

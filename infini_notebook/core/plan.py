@@ -99,6 +99,7 @@ class SessionPlan:
     gpu_memory_fraction: float | None = None  # --gpu-memory-fraction, per rank
     name: str = ""  # --name: a kept session's (see launch/keep.py)
     keep_s: float | None = None  # --keep: how long it waits for a kernel once none drives it
+    relay: bool = False  # --relay: cells through a relay per host (engine/host_relay.py)
 
     @property
     def device_kind(self) -> str:

@@ -83,6 +83,7 @@ def make_plan(
     )
     plan = replace(plan, template_off=template_off(options, plan))
     plan = replace(plan, **keep_fields(options, plan))
+    plan = replace(plan, relay=relay_field(options, plan))
     return with_addresses(plan, host_addresses or [])
 
 
@@ -101,6 +102,25 @@ def keep_fields(o: StartOptions, plan: SessionPlan) -> dict:
             "tcp:// init method."
         )
     return {"name": check_name(o.name), "keep_s": parse_duration(o.keep)}
+
+
+def relay_field(o: StartOptions, plan: SessionPlan) -> bool:
+    """--relay, checked: today the relay runs on this machine, and a kept session's
+    detached cells keep their output in the controller's records, which a relayed cell
+    never reaches (docs/scale.md, what is left)."""
+    if not o.relay:
+        return False
+    if plan.placement.launcher != "local":
+        raise DistUsageError(
+            f"--relay runs its relay on this machine: ranks started by the "
+            f"{plan.placement.launcher} launcher are not reached yet. Leave --relay out."
+        )
+    if plan.keep_s:
+        raise DistUsageError(
+            "--relay does not work with --keep yet: a detached cell's output would be lost. "
+            "Leave one of them out."
+        )
+    return True
 
 
 def template_off(o: StartOptions, plan: SessionPlan, platform: str | None = None) -> str:

@@ -20,6 +20,7 @@ from . import (
     cell_names,
     output_streams,
     rank_services,
+    relay_port,
     remote_start,
     stdin_relay,
     threads,
@@ -89,6 +90,8 @@ def bootstrap(cfg: dict) -> dict:
     cell_end.install(get_ipython())
     widget_labels.install(get_ipython())
     stdin_relay.install(getattr(get_ipython(), "kernel", None), cfg)
+    if cfg.get("relay"):  # --relay: cells come from this host's relay (relay_port.py)
+        relay_port.connect(*cfg["relay"], cfg["rank"])
     import torch
 
     threads.apply(cfg["threads"])

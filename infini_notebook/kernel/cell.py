@@ -81,6 +81,11 @@ class Cell:
             f.add_done_callback(functools.partial(self._wake, r))
         self.changed.set()  # output that arrived before we listened is read at once
 
+    @classmethod
+    def listener(cls, labeler: StreamLabeler, printer: Printer, files: OutputFiles | None):
+        """``listen(ar, targets)``: the Cell of a request, once it is made."""
+        return lambda ar, targets: cls(ar, targets, labeler, printer, files)
+
     def _take_snapshot(self, rank: int) -> None:
         """What the rank wrote before we listened, from ipyparallel's copy."""
         md = self.metadata(rank)

@@ -22,6 +22,7 @@ from ..core.output import (
 from ..core.plan import soft_restart_fails
 from ..core.ranks import parse_ranks, parse_where, rank_label
 from ..core.state import CellResult
+from ..launch.relay import RelayGone
 from . import gc_pace, left_output, recovery, supervision
 from .cell import Cell
 from .output_files import OutputFiles
@@ -55,11 +56,7 @@ def run(
     label = request_label(name, code)
     t0 = time.perf_counter()
     with gc_pace.paced(len(targets)):  # per-rank objects: fewer collections (gc_pace.py)
-        cell = s.engines.client.on_io_thread(  # listening before any output can arrive
-            lambda _: Cell(
-                _execute(s.engines.view(targets), code, label), targets, labeler, printer, files
-            )
-        )
+        cell = _send_cell(s, code, label, targets, Cell.listener(labeler, printer, files))
         ar = cell.ar
         if said:  # kept in the cell's output, before the ranks' own
             cell.note(targets[0], said)
@@ -68,7 +65,7 @@ def run(
             watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
             result = collect(cell, time.perf_counter() - t0, watch)
         finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
-            s.engines.client.forget(ar.msg_ids)
+            s.engines.forget(ar)
             files.close()
     if users:
         s.last = result
@@ -77,6 +74,22 @@ def run(
     if users:
         s.book.cell_ended(targets, failed=())
     return result
+
+
+def _send_cell(s, code: str, label: str, targets: list[int], listen) -> Cell:
+    """Send the cell, through ipyparallel or (``--relay``) the hosts' relays; ``listen(ar,
+    targets)`` makes the Cell, listening before any output can arrive."""
+    relay = s.engines.relay
+    if relay is None:
+        view = s.engines.view(targets)
+        return s.engines.client.on_io_thread(lambda _: listen(_execute(view, code, label), targets))
+    ar = relay.prepare(code, label, targets)
+    cell = listen(ar, targets)
+    try:
+        relay.send(ar)
+    except RelayGone as e:
+        raise DistUsageError(f"{e}. {recovery.HARD_RESTART}") from None
+    return cell
 
 
 def _execute(view, code: str, name: str):

@@ -38,7 +38,8 @@ def stuck_ranks(s, settle: float = 0.0, ranks=None) -> list[int]:
     deadline = time.monotonic() + settle
     while True:
         status = s.engines.client.queue_status()
-        busy = [r for r in ranks if status.get(eid(r), {}).get("queue", 0) > 0]
+        relayed = s.engines.busy_relayed()  # --relay: cells the controller never saw
+        busy = [r for r in ranks if status.get(eid(r), {}).get("queue", 0) > 0 or r in relayed]
         if not busy or time.monotonic() >= deadline:
             return busy
         time.sleep(0.05)

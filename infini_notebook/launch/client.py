@@ -85,6 +85,27 @@ class Client:
         """ipyparallel's view of the engines ``eids`` (one id, or a list)."""
         return self._client[eids]
 
+    # ----- what the relay (launch/relay.py) shares with ipyparallel's client ------------------
+    @property
+    def session(self):
+        """ipyparallel's Session: the key and signature scheme the engines check."""
+        return self._client.session
+
+    def unwrap_exception(self, content: dict):
+        """A rank's error reply as ipyparallel's RemoteError (``Client._unwrap_exception``,
+        ipyparallel 9.2, private: it names the engine as the client's own errors do)."""
+        client = self._client
+        internals.require(client, ("_unwrap_exception",), "ipyparallel", "Client: errors")
+        return client._unwrap_exception(content)
+
+    def dispatch_iopub(self, msg: dict) -> None:
+        """A rank's message handed to ipyparallel's client on its IO thread, as if it came
+        on iopub (``Client._dispatch_iopub``, private: its comm_open makes the proxy comm
+        that lets a rank's widget talk to the notebook)."""
+        client = self._client
+        internals.require(client, ("_dispatch_iopub", "_io_loop"), "ipyparallel", "Client: iopub")
+        client._io_loop.add_callback(client._dispatch_iopub, msg)
+
     # ----- the loop ---------------------------------------------------------------------------
     def in_loop(self, coro, timeout: float = 120):
         """Run an ipyparallel coroutine on this session's own event loop thread. The loop

@@ -21,6 +21,7 @@ from ..engine import bootstrap
 from . import spares
 from .client import Client
 from .folder import SessionFolder
+from .relay import RelayLink
 from .warm_template import WarmTemplate
 from .watchdog import MARK, end_all, session_processes, wait_gone
 
@@ -40,6 +41,9 @@ class Engines:
         self._replacements: list[str] = []  # sets of engines that replaced single ranks
         self.how = ""  # how the last engines came up (see launch_note), for the ready line
         self._standby: spares.Standby | None = None  # engines forked for the next hard restart
+        self.relay: RelayLink | None = (
+            None  # --relay: the cells' way (relay.py), kept as the controller is
+        )
 
     # ----- read-only views ------------------------------------------------------------------
     def local(self, rank: int) -> psutil.Process | None:
@@ -67,6 +71,16 @@ class Engines:
             return self.client.view(self._eids[ranks])
         return self.client.view([self._eids[r] for r in ranks])
 
+    def forget(self, ar) -> None:
+        """A finished request's records: ipyparallel's, or the relay's."""
+        self.client.forget(ar.msg_ids)
+        if self.relay is not None:
+            self.relay.forget(ar)
+
+    def busy_relayed(self) -> set[int]:
+        """Ranks that have not answered a relayed cell (none without --relay)."""
+        return self.relay.busy() if self.relay is not None else set()
+
     def adopt(self, rank: int, pid: int) -> None:
         """The rank's engine reported ``pid``: known from now on if it is ours here."""
         proc = own_process(self.folder.profile_dir, pid)
@@ -82,6 +96,7 @@ class Engines:
         self._ensure_template()  # first: its imports overlap the controller's start
         self.client.ensure_controller(self.plan, self.folder.profile_dir, self._ready_template())
         self._hand_over_controller()
+        self._ensure_relay()
         eids = self._take_standby(progress) or self._launch(progress)
         ar = self.client.view(eids).apply_async(bootstrap.identity)
         identities = ar.get_dict(timeout=60)
@@ -91,7 +106,23 @@ class Engines:
         # Known from now on, so that a failed bootstrap can stop every engine at once.
         for r, eid in enumerate(self._eids):
             self.adopt(r, identities[eid]["pid"])
+        if self.relay is not None:  # new engines: each says hello from its bootstrap
+            self.relay.ranks_left(list(range(self.plan.world_size)))
+            self.relay.map_engines(dict(enumerate(self._eids)))
         self._write_map()
+
+    def _ensure_relay(self) -> None:
+        """The relay of this machine's ranks, started once (a hard restart keeps it, or
+        replaces one that ended)."""
+        if self.relay is not None and not self.relay.alive():
+            self.relay.stop()
+            self.relay = None
+        if not self.plan.relay or self.relay is not None:
+            return
+        from ..core import signing
+
+        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client)
+        self.relay.add_host("local", list(range(self.plan.world_size)))
 
     def _write_map(self) -> None:
         """The rank -> engine map in the session's folder: what a kernel attaching a kept
@@ -152,6 +183,9 @@ class Engines:
         for r, eid in launchers.assign_replacements(identities, self.plan, ranks).items():
             self._eids[r] = eid
             self.adopt(r, identities[eid]["pid"])
+        if self.relay is not None:
+            self.relay.ranks_left(ranks)
+            self.relay.map_engines({r: self._eids[r] for r in ranks})
         self._write_map()
 
     def _launch(self, progress: Progress | None) -> list[int]:
@@ -274,7 +308,10 @@ class Engines:
 
     # ----- stop -------------------------------------------------------------------------------
     def stop_all(self) -> None:
-        """Engines and controller (the store and the watchdog stay: see Session.stop)."""
+        """Engines, relay and controller (the store and the watchdog stay: see Session.stop)."""
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None
         self.client.close()
         # the nannies and spare engines die with the engines, not after ipyparallel's stop
         self.template.kill_forked()

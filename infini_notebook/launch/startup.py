@@ -24,6 +24,7 @@ from ..engine import bootstrap
 from . import launchers
 from .engine_sets import Engines
 from .folder import SessionFolder
+from .relay import relay_addresses
 from .rendezvous import Rendezvous
 from .watchdog import FOLDER_PREFIX
 
@@ -56,6 +57,8 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "kernel_pid": kernel.pid,
         "kernel_start": kernel.create_time(),
         "stack_file": folder.stack_file(rank, plan.placement.multi_host),
+        # --relay: where the rank takes cells from and sends their answers (relay.py)
+        "relay": relay_addresses(folder.path) if plan.relay else None,
     }
 
 

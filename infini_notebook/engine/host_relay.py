@@ -1,0 +1,230 @@
+"""The per-host relay (``%dist_start --relay``, docs/scale.md): one process per host of ranks
+that takes each cell once from the kernel, hands it to each of the host's ranks
+(engine/relay_port.py), and sends the kernel what they answer packed: one signed message per
+batch, instead of two or more signed messages per rank through ipyparallel's controller and
+client. So the kernel's cost of a cell grows with hosts, and per rank only by what the
+ranks said.
+
+    python -m infini_notebook.engine.host_relay UP REQUESTS REPLIES TAG   (keys on stdin)
+
+UP is the kernel's ROUTER (launch/relay.py); REQUESTS (a ROUTER, the ranks' DEALERs connect
+with their tag ``r<rank>``) and REPLIES (a PULL, the ranks' PUSHes) are bound here. Every
+message is checked: a cell by the session's key (``core/signing``, numbered, so a replay is
+dropped), a rank's message by the ranks' Jupyter HMAC. What is not signed, or is no message,
+is dropped with a line in the log. Sockets live in the session's 0700 folder: the signatures
+are a second wall, not the first.
+
+Packing (``pack``, pure) keeps each rank's own order. What several ranks sent alike (a
+stream line, an ok reply, an idle status) is sent once with their ranks, only where that
+keeps each rank's order; what is sent is what arrived by the time the relay looked (no
+timer, so nothing waits)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import sys
+
+from ..core import signing
+
+CELL, BATCH = "relay-cell", "relay-batch"  # the names the two directions are signed under
+MAX_BATCH = 4096  # rank messages packed into one batch at most
+
+
+def pack(messages: list[tuple[int, dict]]) -> list[list]:
+    """Items for the kernel from ``(rank, message)`` in arrival order:
+
+    - ``["ok", ranks, parent_id, execution_count]``: an ok execute reply;
+    - ``["idle", ranks, parent_id]``: status idle (other statuses are left out);
+    - ``["stream", ranks, parent_id, name, text]``;
+    - ``["msg", [rank], message]``: anything else, whole (header, parent_header,
+      metadata, content, buffers as base64).
+
+    A rank is added to an earlier item alike only if that item comes after its own last
+    one: replayed in item order, each rank's messages come in the order it sent them."""
+    items: list[list] = []
+    last: dict[int, int] = {}  # rank -> index of its last item
+    alike: dict[tuple, int] = {}  # mergeable key -> index of the latest item with it
+    for rank, msg in messages:
+        key, item = _item(rank, msg)
+        if item is None:
+            continue
+        at = alike.get(key) if key is not None else None
+        if at is not None and at > last.get(rank, -1):
+            items[at][1].append(rank)
+        else:
+            at = len(items)
+            items.append(item)
+            if key is not None:
+                alike[key] = at
+        last[rank] = at
+    return items
+
+
+def _item(rank: int, msg: dict) -> tuple[tuple | None, list | None]:
+    kind = msg["header"].get("msg_type")
+    parent = msg.get("parent_header") or {}
+    pid = parent.get("msg_id")
+    content = msg.get("content") or {}
+    if kind == "status":
+        if content.get("execution_state") != "idle":
+            return None, None
+        return ("idle", pid), ["idle", [rank], pid]
+    if kind == "execute_reply" and content.get("status") == "ok":
+        count = content.get("execution_count")
+        return ("ok", pid, count), ["ok", [rank], pid, count]
+    if kind == "stream":
+        name, text = content.get("name"), content.get("text", "")
+        return ("stream", pid, name, text), ["stream", [rank], pid, name, text]
+    whole = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
+    whole["header"] = {k: str(v) for k, v in whole["header"].items()}  # dates as text
+    whole["buffers"] = [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers", [])]
+    return None, ["msg", [rank], whole]
+
+
+def sign_cell(key: str, head: dict, message: list[bytes]) -> list[bytes]:
+    """A cell as the kernel sends it: ``[tag, head, *message]``, the tag over both."""
+    raw = json.dumps(head).encode()
+    tag = signing.sign(key, CELL, raw + b"\0" + b"".join(message))[: signing.TAG_LEN]
+    return [tag, raw, *message]
+
+
+def verify_cell(key: str, frames: list[bytes]) -> dict | None:
+    """The head of a cell signed with ``key``; None for anything else."""
+    if len(frames) < 2:
+        return None
+    tag, raw, message = frames[0], frames[1], frames[2:]
+    if signing.verify(key, CELL, tag + raw + b"\0" + b"".join(message)) is None:
+        return None
+    try:
+        head = json.loads(raw)
+    except ValueError:
+        return None
+    return head if isinstance(head, dict) else None
+
+
+class Relay:
+    """The relay's sockets and its two checks; ``run`` serves until the kernel says stop."""
+
+    def __init__(self, up: str, requests: str, replies: str, tag: str, keys: dict):
+        import zmq
+        from jupyter_client.session import Session
+
+        self.zmq = zmq
+        self.key = keys["signing"]
+        # The ranks' messages are signed with the engines' Jupyter key (ipyparallel's)
+        self.session = Session(key=keys["jupyter"].encode(), signature_scheme=keys["scheme"])
+        ctx = zmq.Context.instance()
+        self.up = ctx.socket(zmq.DEALER)
+        self.up.setsockopt(zmq.IDENTITY, tag.encode())
+        self.up.setsockopt(zmq.LINGER, 1000)
+        self.ranks = ctx.socket(zmq.ROUTER)
+        self.ranks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not here: said, not lost
+        self.ranks.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replaced rank takes its tag over
+        self.inbox = ctx.socket(zmq.PULL)
+        os.umask(0o077)  # the sockets' files: this user's only (the folder is 0700 too)
+        self.ranks.bind(requests)
+        self.inbox.bind(replies)
+        self.up.connect(up)
+        self.cells_seen = 0  # the number of the last cell taken: a replayed one is dropped
+        self.sent = 0
+
+    def run(self) -> None:
+        zmq = self.zmq
+        poller = zmq.Poller()
+        for sock in (self.up, self.ranks, self.inbox):
+            poller.register(sock, zmq.POLLIN)
+        self._send([["up", os.getpid()]])
+        while True:
+            ready = dict(poller.poll())
+            if self.up in ready and not self._from_kernel():
+                return
+            if self.ranks in ready:
+                self._hellos()
+            if self.inbox in ready:
+                self._from_ranks()
+
+    def _from_kernel(self) -> bool:
+        """A cell to hand to ranks, or stop; False to stop."""
+        frames = self.up.recv_multipart(copy=True)
+        head = verify_cell(self.key, frames)
+        if head is None:
+            log.warning("a cell not signed with the session's key, dropped")
+            return True
+        return self._act(head, frames[2:])
+
+    def _act(self, head: dict, message: list[bytes]) -> bool:
+        if head.get("seq", 0) <= self.cells_seen:
+            log.warning("cell %s replayed, dropped", head.get("seq"))
+            return True
+        self.cells_seen = head["seq"]
+        if head.get("stop"):
+            return False
+        missing = []
+        for r in head.get("ranks", []):
+            try:
+                self.ranks.send_multipart([b"r%d" % r, *message], flags=self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:  # not connected, or its queue full
+                missing.append(r)
+        if missing:
+            self._send([["missing", missing, head.get("msg_id")]])
+        return True
+
+    def _hellos(self) -> None:
+        here = []
+        while True:
+            try:
+                tag, *_ = self.ranks.recv_multipart(flags=self.zmq.NOBLOCK)
+            except self.zmq.Again:
+                break
+            if tag.startswith(b"r") and tag[1:].isdigit():
+                here.append(int(tag[1:]))
+        if here:
+            self._send([["here", sorted(set(here))]])
+
+    def _from_ranks(self) -> None:
+        messages = []
+        while len(messages) < MAX_BATCH:
+            try:
+                frames = self.inbox.recv_multipart(flags=self.zmq.NOBLOCK, copy=True)
+            except self.zmq.Again:
+                break
+            got = self._rank_message(frames)
+            if got is not None:
+                messages.append(got)
+        if messages:
+            self._send(pack(messages))
+
+    def _rank_message(self, frames: list[bytes]) -> tuple[int, dict] | None:
+        tag = frames[0]
+        if not (tag.startswith(b"r") and tag[1:].isdigit()):
+            log.warning("a message from something that is no rank, dropped")
+            return None
+        try:
+            _, parts = self.session.feed_identities(frames[1:], copy=True)
+            msg = self.session.deserialize(parts, content=True, copy=True)
+        except Exception as e:  # unsigned, replayed or malformed: never the kernel's
+            log.warning("rank %s: a message dropped (%s)", tag[1:].decode(), e)
+            return None
+        return int(tag[1:]), msg
+
+    def _send(self, items: list[list]) -> None:
+        self.sent += 1
+        body = json.dumps({"seq": self.sent, "items": items}, default=str).encode()
+        self.up.send(signing.sign(self.key, BATCH, body))
+
+
+log = logging.getLogger("infini_notebook.relay")
+
+
+def main(argv: list[str]) -> None:
+    up, requests, replies, tag = argv
+    keys = json.loads(sys.stdin.readline())
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s relay: %(message)s")
+    Relay(up, requests, replies, tag, keys).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

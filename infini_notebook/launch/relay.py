@@ -1,0 +1,446 @@
+"""The kernel's side of the per-host relays (``%dist_start --relay``, docs/scale.md).
+
+:class:`RelayLink` is the only owner of the relays: their processes, the socket they reach
+the kernel on, which ranks are connected, and each relayed cell's per-rank futures. A cell
+is sent once per host (engine/host_relay.py hands it to each rank); what the ranks answer
+comes back packed, and the link fills one future per rank as ipyparallel's client fills
+its own (``Client._handle_execute_reply`` and ``_dispatch_iopub``, ipyparallel 9.2): the
+reply resolves the future, output updates its ``output.metadata`` and calls its
+``iopub_callbacks``, status idle resolves ``output``. So ``kernel/cell.Cell``, ``CellWatch``
+and ``execution.collect`` are the same code both ways. A rank's comm messages (widgets)
+are handed to ipyparallel's client, which proxies them as for its own requests
+(``Client._dispatch_iopub``'s ``comm_open``).
+
+All sockets are served by one thread; a cell to send is handed to it over an inproc pipe,
+as zmq sockets are not shared between threads."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from ..core import signing
+from ..engine import host_relay
+
+log = logging.getLogger("infini_notebook")
+
+UP, REQUESTS, REPLIES = "relay-up.sock", "relay-rq.sock", "relay-rp.sock"
+HERE_WAIT_S = 30.0  # a cell waits this long for its ranks to reach their relay
+
+
+def relay_addresses(place: str) -> tuple[str, str]:
+    """Where the ranks of the relay whose sockets are in ``place`` connect: (requests,
+    replies)."""
+    return f"ipc://{os.path.join(place, REQUESTS)}", f"ipc://{os.path.join(place, REPLIES)}"
+
+
+class RelayGone(RuntimeError):
+    """A host's relay ended: its ranks' cells cannot be sent or answered."""
+
+
+class RankFuture(concurrent.futures.Future):
+    """One rank's part of a relayed cell, shaped as ipyparallel's MessageFuture: resolves
+    on the reply; ``output`` resolves on status idle and holds what the rank published in
+    ``output.metadata`` (ipyparallel's ``Metadata`` keys)."""
+
+    def __init__(self, msg_id: str, engine_id: int):
+        super().__init__()
+        self.msg_id = msg_id
+        self.iopub_callbacks: list = []
+        self.output: concurrent.futures.Future = concurrent.futures.Future()
+        self.output.metadata = new_metadata(msg_id, engine_id)
+
+
+def new_metadata(msg_id: str, engine_id: int) -> dict:
+    """A rank's record of a cell, with the keys of ipyparallel's ``client.Metadata``."""
+    return {
+        "msg_id": msg_id, "submitted": None, "started": None, "completed": None,
+        "received": None, "engine_uuid": None, "engine_id": engine_id, "follow": None,
+        "after": None, "status": None, "execute_input": None, "execute_result": None,
+        "error": None, "stdout": "", "stderr": "", "outputs": [], "data": {}, "label": None,
+    }  # fmt: skip
+
+
+class RelayedCell:
+    """What ``Cell`` reads of ipyparallel's AsyncResult: one future per rank."""
+
+    def __init__(self, msg_id: str, frames: list[bytes], futures: dict[int, RankFuture]):
+        self.msg_id, self.frames, self.futures = msg_id, frames, futures
+        self._children = list(futures.values())
+        self.msg_ids: list[str] = []  # nothing of ipyparallel's to forget
+
+
+class RelayLink:
+    """The session's relays (one per host of ranks; today this machine's) and the cells
+    they carry. ``add_host`` starts one; ``prepare`` then ``send`` a cell; ``busy`` is
+    which ranks have not answered a cell; ``stop`` ends the relays."""
+
+    def __init__(self, place: str, signing_key: str, client):
+        """``place``: a 0700 folder for the sockets; ``client``: the session's
+        launch.client.Client (its ipyparallel session builds and signs requests)."""
+        import zmq
+
+        self.place, self.key, self.client = place, signing_key, client
+        self._ctx = zmq.Context.instance()
+        self._up = self._ctx.socket(zmq.ROUTER)
+        self._up.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._up.setsockopt(zmq.LINGER, 0)
+        old = os.umask(0o077)
+        try:
+            self._up.bind(f"ipc://{os.path.join(place, UP)}")
+        finally:
+            os.umask(old)
+        self._pipe_in = self._ctx.socket(zmq.PULL)
+        self._pipe_in.bind(f"inproc://relay-{id(self)}")
+        self._pipe = self._ctx.socket(zmq.PUSH)
+        self._pipe.connect(f"inproc://relay-{id(self)}")
+        self._pipe_lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._hosts: dict[str, dict] = {}  # tag -> {"proc", "ranks", "seq", "up", "last"}
+        self._host_of: dict[int, str] = {}  # rank -> its relay's tag
+        self._here: set[int] = set()
+        self._cells: dict[str, dict[int, RankFuture]] = {}  # msg_id -> rank -> future
+        self._busy: dict[int, str] = {}  # rank -> the cell it has not answered
+        self._eids: dict[int, int] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="relay-link", daemon=True)
+        self._thread.start()
+
+    # ----- relays -------------------------------------------------------------------------
+    def add_host(self, tag: str, ranks: list[int], place: str | None = None) -> tuple[str, str]:
+        """Start the relay for ``ranks`` (its sockets in ``place``, default the link's);
+        the addresses their ranks connect to (requests, replies)."""
+        place = place or self.place
+        requests, replies = relay_addresses(place)
+        up = f"ipc://{os.path.join(self.place, UP)}"
+        session = self.client.session
+        keys = {
+            "signing": self.key,
+            "jupyter": session.key.decode(),
+            "scheme": session.signature_scheme,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infini_notebook.engine.host_relay", up, requests, replies, tag],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(place, f"relay-{tag}.log"), "ab"),
+            start_new_session=True,
+        )  # fmt: skip
+        proc.stdin.write((json.dumps(keys) + "\n").encode())
+        proc.stdin.close()
+        with self._lock:
+            self._hosts[tag] = {"proc": proc, "ranks": set(ranks), "seq": 0, "up": 0, "last": 0}
+            for r in ranks:
+                self._host_of[r] = tag
+                self._here.discard(r)
+            self._lock.wait_for(lambda: self._hosts[tag]["up"] or proc.poll() is not None, 30)
+            if not self._hosts[tag]["up"]:
+                raise RelayGone(self._gone_text(tag))
+        return requests, replies
+
+    def ranks_left(self, ranks: list[int]) -> None:
+        """``ranks`` are replaced or restarted: not connected until they say hello again,
+        and what they owed is forgotten."""
+        with self._lock:
+            for r in ranks:
+                self._here.discard(r)
+                self._busy.pop(r, None)
+
+    def map_engines(self, eids: dict[int, int]) -> None:
+        """Each rank's engine id (its errors name it, as ipyparallel's do)."""
+        self._eids.update(eids)
+
+    def alive(self) -> bool:
+        """Every relay still runs."""
+        return all(h["proc"].poll() is None for h in self._hosts.values())
+
+    def pids(self) -> list[int]:
+        return [h["proc"].pid for h in self._hosts.values()]
+
+    # ----- cells --------------------------------------------------------------------------
+    def prepare(self, code: str, label: str, targets: list[int]) -> RelayedCell:
+        """The execute request for ``targets``, built and signed once, with a future per
+        rank registered before it is sent (no answer can come before its listener)."""
+        session = self.client.session
+        msg = session.msg(
+            "execute_request",
+            content={"code": code, "silent": False, "user_expressions": {}},
+            metadata={"label": label or None},
+        )
+        msg_id = msg["header"]["msg_id"]
+        frames = session.serialize(msg)
+        futures = {r: RankFuture(msg_id, self._eids.get(r, r)) for r in targets}
+        with self._lock:
+            self._cells[msg_id] = futures
+        return RelayedCell(msg_id, frames, futures)
+
+    def send(self, cell: RelayedCell) -> None:
+        """Send ``cell`` to each of its ranks' relays, once per relay, when its ranks are
+        connected (a rank just bootstrapped may still be saying hello)."""
+        targets = list(cell.futures)
+        with self._lock:
+            for r in targets:
+                self._busy[r] = cell.msg_id
+            ok = self._lock.wait_for(
+                lambda: self._here.issuperset(targets) or self._dead_hosts(targets), HERE_WAIT_S
+            )
+            dead = self._dead_hosts(targets)
+        if dead:
+            self.forget(cell)
+            raise RelayGone("; ".join(self._gone_text(t) for t in dead))
+        missing = [] if ok else sorted(set(targets) - self._here)
+        if missing:
+            self._fail(cell.msg_id, missing, "its engine never reached its host's relay")
+        by_host: dict[str, list[int]] = {}
+        for r in (r for r in targets if r not in missing):
+            by_host.setdefault(self._host_of[r], []).append(r)
+        for tag, ranks in by_host.items():
+            self._post([b"cell", tag.encode(), json.dumps(ranks).encode(), *cell.frames])
+
+    def forget(self, cell) -> None:
+        """The cell is over: its futures go (a rank still in it stays busy until it ends).
+        Any other request (ipyparallel's) is none of the link's."""
+        with self._lock:
+            futures = self._cells.get(getattr(cell, "msg_id", None), {})
+            if all(f.done() and f.output.done() for f in futures.values()):
+                self._cells.pop(cell.msg_id, None)
+
+    def busy(self) -> set[int]:
+        """Ranks that have not answered a relayed cell (stuck, or still running one)."""
+        with self._lock:
+            return set(self._busy)
+
+    def stop(self) -> None:
+        """End the relays and the link."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            tags = list(self._hosts)
+        for tag in tags:
+            self._post([b"stop", tag.encode()])
+        for host in self._hosts.values():
+            try:
+                host["proc"].wait(2)
+            except subprocess.TimeoutExpired:
+                host["proc"].kill()  # a pid this link started
+                host["proc"].wait(5)
+        self._post([b"end"])
+        self._thread.join(5)
+
+    # ----- the link's thread --------------------------------------------------------------
+    def _post(self, frames: list[bytes]) -> None:
+        with self._pipe_lock:
+            self._pipe.send_multipart(frames)
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._up, zmq.POLLIN)
+        poller.register(self._pipe_in, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(1000))
+            if self._pipe_in in ready and not self._from_pipe():
+                break
+            if self._up in ready:
+                self._from_relays()
+            self._check_relays()
+        for sock in (self._up, self._pipe_in, self._pipe):
+            sock.close(linger=0)
+
+    def _from_pipe(self) -> bool:
+        import zmq
+
+        while True:
+            try:
+                frames = self._pipe_in.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            what, rest = frames[0], frames[1:]
+            if what == b"end":
+                return False
+            tag = rest[0].decode()
+            host = self._hosts[tag]
+            host["seq"] += 1
+            head = {"seq": host["seq"]}
+            if what == b"stop":
+                head["stop"] = True
+                message = []
+            else:
+                head["ranks"] = json.loads(rest[1])
+                message = rest[2:]
+            try:
+                self._up.send_multipart(
+                    [rest[0], *host_relay.sign_cell(self.key, head, message)], flags=zmq.NOBLOCK
+                )
+            except zmq.ZMQError as e:  # the relay is gone: its ranks' parts fail
+                if what == b"cell":
+                    self._fail_host(tag, f"its host's relay could not be reached ({e})")
+
+    def _from_relays(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                tag, raw = self._up.recv_multipart(flags=zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue
+            self._batch(tag.decode(errors="replace"), raw)
+
+    def _batch(self, tag: str, raw: bytes) -> None:
+        """One relay's batch: checked (signed by the session's key, newer than the last),
+        then each item applied in order."""
+        host = self._hosts.get(tag)
+        body = signing.verify(self.key, host_relay.BATCH, raw) if host else None
+        if body is None:
+            log.warning("relay: a batch not signed with the session's key, dropped")
+            return
+        batch = json.loads(body)
+        if batch.get("seq", 0) <= host["last"]:
+            log.warning("relay: batch %s from %s replayed, dropped", batch.get("seq"), tag)
+            return
+        host["last"] = batch["seq"]
+        for item in batch.get("items", []):
+            try:
+                self._apply(tag, item)
+            except Exception:  # one bad item never stops the link
+                log.exception("relay: item %.200r", item)
+
+    def _apply(self, tag: str, item: list) -> None:
+        kind, ranks = item[0], item[1]
+        if kind == "up":
+            with self._lock:
+                self._hosts[tag]["up"] = ranks  # the relay's pid
+                self._lock.notify_all()
+            return
+        if kind == "here":
+            with self._lock:
+                self._here.update(r for r in ranks if self._host_of.get(r) == tag)
+                self._lock.notify_all()
+            return
+        if kind == "missing":
+            self._fail(item[2], ranks, "its engine is not connected to its host's relay")
+            return
+        futures = self._cells.get(item[2] if kind != "msg" else _parent(item[2]), {})
+        for r in ranks:
+            f = futures.get(r)
+            if f is None:  # a cell forgotten (a stuck rank ending late): no longer busy
+                if kind in ("ok", "msg"):
+                    self._answered(r, None)
+                continue
+            if kind == "ok":
+                self._reply(r, f, {"status": "ok", "execution_count": item[3]})
+            elif kind == "idle":
+                if not f.output.done():
+                    f.output.set_result(None)
+            elif kind == "stream":
+                name, text = item[3], item[4]
+                md = f.output.metadata
+                md[name] = (md[name] or "") + text
+                content = {"name": name, "text": text}
+                self._publish(f, {"header": {"msg_type": "stream"}, "content": content})
+            else:
+                self._message(r, f, item[2])
+
+    def _message(self, rank: int, f: RankFuture, msg: dict) -> None:
+        """A rank's message as it came (what ``pack`` does not shorten)."""
+        kind = msg["header"].get("msg_type")
+        content = msg["content"]
+        md = f.output.metadata
+        if kind == "execute_reply":
+            self._reply(rank, f, content)
+            return
+        if kind.startswith("comm_"):  # a widget: ipyparallel's client proxies it
+            msg["buffers"] = [base64.b64decode(b) for b in msg.get("buffers", [])]
+            msg["msg_type"] = kind
+            self.client.dispatch_iopub(msg)
+        elif kind == "display_data":
+            md["outputs"].append(content)
+        elif kind == "execute_result":
+            md["execute_result"] = content
+        elif kind == "error":
+            md["error"] = self.client.unwrap_exception(content)
+        self._publish(f, msg)
+
+    def _reply(self, rank: int, f: RankFuture, content: dict) -> None:
+        from ipyparallel import error
+        from ipyparallel.client.client import ExecuteReply
+
+        md = f.output.metadata
+        md["status"] = content.get("status")
+        if content.get("status") == "ok":
+            result = ExecuteReply(f.msg_id, content, md)
+        elif content.get("status") == "aborted":
+            result = error.TaskAborted(f.msg_id)
+            if not f.output.done():
+                f.output.set_result(None)  # an aborted request publishes nothing more
+        else:
+            result = self.client.unwrap_exception(content)
+        if not f.done():
+            f.set_result(result)
+        self._answered(rank, f.msg_id)
+
+    def _answered(self, rank: int, msg_id: str | None) -> None:
+        with self._lock:
+            if msg_id is None or self._busy.get(rank) == msg_id:
+                self._busy.pop(rank, None)
+
+    @staticmethod
+    def _publish(f: RankFuture, msg: dict) -> None:
+        for callback in list(f.iopub_callbacks):
+            callback(msg)
+
+    def _fail(self, msg_id: str, ranks: list[int], why: str) -> None:
+        """``ranks``' parts of a cell end as ipyparallel ends a task whose engine left."""
+        futures = self._cells.get(msg_id, {})
+        for r in ranks:
+            f = futures.get(r)
+            if f is not None and not f.done():
+                f.set_result(_engine_error(f"rank {r}: {why}"))
+            if f is not None and not f.output.done():
+                f.output.set_result(None)
+            self._answered(r, None)
+
+    def _fail_host(self, tag: str, why: str) -> None:
+        ranks = self._hosts[tag]["ranks"]
+        for msg_id, futures in list(self._cells.items()):
+            self._fail(msg_id, [r for r in futures if r in ranks], why)
+
+    def _check_relays(self) -> None:
+        for tag, host in self._hosts.items():
+            if host["proc"].poll() is not None and not host.get("failed"):
+                host["failed"] = True
+                with self._lock:
+                    self._lock.notify_all()
+                if not self._stopping:
+                    self._fail_host(tag, self._gone_text(tag))
+
+    def _dead_hosts(self, ranks: list[int]) -> list[str]:
+        tags = {self._host_of.get(r) for r in ranks}
+        return sorted(t for t in tags if t is None or self._hosts[t]["proc"].poll() is not None)
+
+    def _gone_text(self, tag: str | None) -> str:
+        if tag is None:
+            return "a rank has no relay"
+        code = self._hosts[tag]["proc"].poll()
+        log_file = os.path.join(self.place, f"relay-{tag}.log")
+        return f"the relay of host {tag} ended (exit code {code}; its log: {log_file})"
+
+
+def _parent(msg: dict) -> str | None:
+    return (msg.get("parent_header") or {}).get("msg_id")
+
+
+def _engine_error(text: str):
+    """ipyparallel's answer for a task whose engine went away (``error.EngineError``)."""
+    from ipyparallel import error
+
+    return error.EngineError(text)
