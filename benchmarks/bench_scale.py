@@ -1,7 +1,7 @@
 """The kernel's side of a session at 256 and 1,024 ranks, by simulation (issue 54).
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256 1024] [--hosts 16] [--cells 20]
-        [--gc-default] [--stock-dates]
+        [--gc-default] [--stock-dates] [--relay]
 
 Real here: ipyparallel's controller (started as a session starts it: this package's
 controller command and heartbeat settings), the session's ``launch.client.Client``, the
@@ -30,6 +30,12 @@ measured as an alternative), ``status_ms`` (telemetry of every rank read and ver
 tiles rendered; checked: every rank's snapshot found), ``store_get_ms_p50``/``p99``
 (the kernel's reads while N clients write telemetry), ``stop_s``. Medians over
 ``--cells``. The last line is one JSON object keyed by size.
+
+``--relay``: cells go as a ``--relay`` session sends them (docs/scale.md): each simulated
+host has a real relay process (engine/host_relay.py) and its identities take cells from it
+as ranks do; the kernel's side is the session's own ``launch/relay.RelayLink`` and
+``Cell``. ``relay_cpu_ms_per_cell`` is the relays' CPU per empty cell, all hosts together
+(in a real session it is spent on the ranks' hosts, not the kernel's).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACE_GC = True  # the collector paced as execution.run paces it (--gc-default: not)
 STOCK_DATES = False  # --stock-dates: replies' dates through dateutil (launch/reply_dates.py)
+RELAY = False  # --relay: cells through a relay per simulated host
 
 
 def start_controller(profile_dir: str):
@@ -81,9 +88,16 @@ def engine_json(cluster) -> str:
     return cluster.controller.connection_files["engine"]
 
 
-def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str):
+def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str, link=None):
+    """The simulated hosts; with ``link`` (a RelayLink), each with its relay, started here."""
     per = [n // hosts + (1 if i < n % hosts else 0) for i in range(hosts)]
     env = dict(os.environ, SIM_MAC_KEY=mac_key)
+    relays = {}
+    for i, k in enumerate(per):
+        if k and link is not None:
+            place = os.path.join(os.path.dirname(path), f"h{i}")
+            os.makedirs(place, mode=0o700)
+            relays[i] = ["--relay", *link.add_host(f"h{i}", [], place)]
     return [
         subprocess.Popen(
             [
@@ -96,6 +110,7 @@ def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str):
                 str(i),
                 "--store",
                 store,
+                *relays.get(i, []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -115,9 +130,9 @@ def wait_registered(client, n: int, timeout: float = 300) -> None:
         client.wait_for_registration(0.5)
 
 
-def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
-    """One cell as kernel/execution.run sends and shows it: wall s, this process's CPU s,
-    what it printed."""
+def run_cell(client, targets: list[int], code: str, link=None) -> tuple[float, float, str]:
+    """One cell as kernel/execution.run sends and shows it (through ``link``'s relays when
+    given): wall s, this process's CPU s, what it printed."""
     from infini_notebook.core.output import StreamLabeler
     from infini_notebook.kernel import gc_pace
     from infini_notebook.kernel.cell import Cell
@@ -127,15 +142,20 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
     pace = gc_pace.paced(len(targets)) if PACE_GC else contextlib.nullcontext()
     c0, t0 = time.process_time(), time.perf_counter()
     with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said), pace:
-        view = client.view(targets)
-        cell = client.on_io_thread(
-            lambda _: Cell(
-                view.execute(code, silent=False, block=False),
-                targets,
-                StreamLabeler(),
-                TextPrinter(echo=True, owns_cell=True),
-            )  # fmt: skip
-        )
+        printer = TextPrinter(echo=True, owns_cell=True)
+        if link is None:
+            view = client.view(targets)
+            cell = client.on_io_thread(
+                lambda _: Cell(
+                    view.execute(code, silent=False, block=False),
+                    targets,
+                    StreamLabeler(),
+                    printer,
+                )  # fmt: skip
+            )
+        else:  # as kernel/execution._send_cell sends a --relay cell
+            cell = Cell(link.prepare(code, "", targets), targets, StreamLabeler(), printer)
+            link.send(cell.ar)
         pending = list(cell.futures.values())
         while pending:  # what CellWatch.follow does for output, without its liveness checks
             cell.changed.wait(0.05)
@@ -146,6 +166,8 @@ def run_cell(client, targets: list[int], code: str) -> tuple[float, float, str]:
         cell.show(final=True)
         cell.render_final()
         client.forget(cell.ar.msg_ids)
+        if link is not None:
+            link.forget(cell.ar)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for r, f in cell.futures.items():
         if isinstance(f.result(), BaseException):
@@ -223,6 +245,18 @@ def status_once(store, mac_key: str, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def relay_cpu_s(link) -> float:
+    """CPU seconds the relays have used (0 without --relay)."""
+    import psutil
+
+    total = 0.0
+    for pid in link.pids() if link is not None else []:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def controller_cpu_s(cluster) -> float:
     """CPU seconds of the controller and its schedulers so far: another process on the
     kernel's machine, which ``process_time`` does not see."""
@@ -251,11 +285,16 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
     mac_key = secrets.token_hex(32)
     store, port = store_host.host("127.0.0.1", 0)  # hosted as the session's store is
     cluster, client = start_controller(profile)
-    procs, stopped = [], False
+    procs, stopped, link = [], False, None
     try:
         path = engine_json(cluster)
+        if RELAY:
+            from infini_notebook.core import signing
+            from infini_notebook.launch.relay import RelayLink
+
+            link = RelayLink(profile, signing.new_key(), client)
         t0 = time.perf_counter()
-        procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{port}", mac_key)
+        procs = spawn_hosts(path, n, hosts, f"127.0.0.1:{port}", mac_key, link)
         wait_registered(client, n)
         start_s = time.perf_counter() - t0
         deadline = time.monotonic() + 300
@@ -266,19 +305,21 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         store.set("sim/ready", "1")
         targets = sorted(client.ids())
         for _ in range(3):  # warm: the first cells pay for connections and caches
-            run_cell(client, targets, "pass")
-        empty, ctl0 = [], controller_cpu_s(cluster)
+            run_cell(client, targets, "pass", link)
+        empty, ctl0, relay0 = [], controller_cpu_s(cluster), relay_cpu_s(link)
         for _ in range(cells):
-            wall, cpu, out = run_cell(client, targets, "pass")
+            wall, cpu, out = run_cell(client, targets, "pass", link)
             check_empty_cell(out)
             empty.append((wall, cpu))
         controller_ms = (controller_cpu_s(cluster) - ctl0) / cells * 1000
+        relay_ms = (relay_cpu_s(link) - relay0) / cells * 1000
         printed = []
         for _ in range(max(3, cells // 4)):
-            wall, cpu, out = run_cell(client, targets, "print('hello from', rank)")
+            wall, cpu, out = run_cell(client, targets, "print('hello from', rank)", link)
             check_print_cell(out, n)
             printed.append((wall, cpu))
-        bcast = [run_broadcast(client, targets, "pass") for _ in range(cells)]
+        # the tree fan-out, an alternative to the relay measured once (not with --relay)
+        bcast = [run_broadcast(client, targets, "pass") for _ in range(0 if RELAY else cells)]
         store.wait([rank_services.telemetry_key(r) for r in range(n)])  # every rank reported
         status = [status_once(store, mac_key, n) for _ in range(5)]
         gets = []
@@ -292,9 +333,13 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
             p.terminate()
         for p in procs:
             p.wait(60)
+        if link is not None:
+            link.stop()
         client.stop_controller(profile)
         stop_s, stopped = time.perf_counter() - t0, True
     finally:  # also on an error or SIGTERM (main turns it into SystemExit)
+        if link is not None:
+            link.stop()  # its relays: pids it started
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -310,10 +355,11 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         "cell_wall_ms": round(med(empty, 0), 1),
         "kernel_cpu_ms_per_cell": round(med(empty, 1), 1),
         "controller_cpu_ms_per_cell": round(controller_ms, 1),
+        "relay_cpu_ms_per_cell": round(relay_ms, 1),
         "print_cell_wall_ms": round(med(printed, 0), 1),
         "print_kernel_cpu_ms": round(med(printed, 1), 1),
-        "bcast_cell_wall_ms": round(med(bcast, 0), 1),
-        "bcast_kernel_cpu_ms": round(med(bcast, 1), 1),
+        "bcast_cell_wall_ms": round(med(bcast, 0), 1) if bcast else None,
+        "bcast_kernel_cpu_ms": round(med(bcast, 1), 1) if bcast else None,
         "status_ms": round(statistics.median(status) * 1000, 1),
         "store_get_ms_p50": round(gets[len(gets) // 2] * 1000, 3),
         "store_get_ms_p99": round(gets[int(len(gets) * 0.99)] * 1000, 3),
@@ -345,9 +391,10 @@ def main() -> None:
     p.add_argument("--cells", type=positive, default=20)
     p.add_argument("--gc-default", action="store_true", help="cells without gc_pace")
     p.add_argument("--stock-dates", action="store_true", help="reply dates through dateutil")
+    p.add_argument("--relay", action="store_true", help="cells through a relay per host")
     a = p.parse_args()
-    global PACE_GC, STOCK_DATES
-    PACE_GC, STOCK_DATES = not a.gc_default, a.stock_dates
+    global PACE_GC, STOCK_DATES, RELAY
+    PACE_GC, STOCK_DATES, RELAY = not a.gc_default, a.stock_dates, a.relay
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks still run
     results = {}
     for n in a.ranks:

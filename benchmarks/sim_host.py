@@ -96,14 +96,24 @@ class Identity:
         self.pong.IDENTITY = self.bident
         self.pong.connect(self.url("hb_pong"))
 
+    def connect_relay(self, requests: str) -> None:
+        """--relay: cells come from the host's relay, as to a rank (engine/relay_port.py)."""
+        self.inbox = self.ctx.socket(zmq.DEALER)
+        self.inbox.IDENTITY = b"r%d" % self.id
+        self.inbox.connect(requests)
+        self.inbox.send(b"hello")
+
     def topic(self, what: str) -> bytes:
         return f"engine.{self.id}.{what}".encode()
 
-    def handle(self, iopub) -> None:
-        idents, raw = self.session.feed_identities(
-            self.shell.recv_multipart(copy=False), copy=False
-        )
+    def handle(self, iopub, outbox=None) -> None:
+        """A request on the shell; with ``outbox`` (--relay), one the relay handed over,
+        and everything it produces goes to the relay's PULL, tagged with the rank."""
+        sock = self.shell if outbox is None else self.inbox
+        idents, raw = self.session.feed_identities(sock.recv_multipart(copy=False), copy=False)
         msg = self.session.deserialize(raw, content=True, copy=False)
+        if outbox is not None:  # each rank checks a relayed cell once; here they share a Session
+            self.session.digest_history.discard(bytes(raw[0]))
         kind = msg["header"]["msg_type"]
         md_in = msg.get("metadata", {})
         md = {
@@ -118,9 +128,10 @@ class Identity:
 
         def pub(kind: str, content: dict) -> None:  # on iopub, as the engine's own
             meta = {"engine": self.uuid}
-            self.session.send(
-                iopub, kind, content, parent=msg, ident=self.topic(kind), metadata=meta
-            )
+            to, ident = (iopub, self.topic(kind)) if outbox is None else (outbox, tag)
+            self.session.send(to, kind, content, parent=msg, ident=ident, metadata=meta)
+
+        tag = b"r%d" % self.id
 
         if self.stock:
             pub("status", {"execution_state": "busy"})
@@ -147,8 +158,9 @@ class Identity:
         md["status"] = reply["status"]
         if reply["status"] == "error":
             md["engine_info"] = {"engine_uuid": self.uuid, "engine_id": self.id}
+        to, ident = (self.shell, idents) if outbox is None else (outbox, tag)
         self.session.send(
-            self.shell, reply_type, reply, parent=msg, ident=idents, metadata=md, buffers=buffers
+            to, reply_type, reply, parent=msg, ident=ident, metadata=md, buffers=buffers
         )
         pub("status", {"execution_state": "idle"})
 
@@ -180,7 +192,13 @@ class Identity:
 
 
 def serve(
-    info: dict, n: int, host: int, store: str | None, telemetry_s: float, stock: bool
+    info: dict,
+    n: int,
+    host: int,
+    store: str | None,
+    telemetry_s: float,
+    stock: bool,
+    relay: tuple[str, str] | None = None,
 ) -> None:
     if store:  # imported before registering, as a rank's engine has torch before it serves
         import torch.distributed  # noqa: F401
@@ -202,7 +220,12 @@ def serve(
     waiting = {x.reg: x for x in ids}
     for x in ids:
         poller.register(x.reg, zmq.POLLIN)
-    by_shell = {}
+    by_shell, by_inbox = {}, {}
+    outbox = None
+    if relay:  # one PUSH for the host's identities: each message carries its rank's tag
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.SNDHWM = 0
+        outbox.connect(relay[1])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
@@ -219,12 +242,18 @@ def serve(
                 x.registered()
                 by_shell[x.shell] = x
                 poller.register(x.shell, zmq.POLLIN)
+                if relay:
+                    x.connect_relay(relay[0])
+                    by_inbox[x.inbox] = x
+                    poller.register(x.inbox, zmq.POLLIN)
                 if not waiting:
                     print("registered", n, flush=True)
                     if store:
                         threading.Thread(
                             target=store_load, args=(store, ids, telemetry_s, stop), daemon=True
                         ).start()
+            elif sock in by_inbox:
+                by_inbox[sock].handle(iopub, outbox)
             else:
                 by_shell[sock].handle(iopub)
     os._exit(0)  # sockets unclosed: the controller sees the hearts stop
@@ -265,10 +294,12 @@ def main() -> None:
     p.add_argument("--store", default=None, help="HOST:PORT of the kernel's TCPStore")
     p.add_argument("--telemetry-s", type=float, default=1.0)
     p.add_argument("--stock", action="store_true", help="publish busy and execute_input too")
+    p.add_argument("--relay", nargs=2, metavar=("REQUESTS", "REPLIES"),
+                   help="take cells from this host's relay (engine/host_relay.py)")  # fmt: skip
     a = p.parse_args()
     with open(a.engine_json) as f:
         info = json.load(f)
-    serve(info, a.engines, a.host_index, a.store, a.telemetry_s, a.stock)
+    serve(info, a.engines, a.host_index, a.store, a.telemetry_s, a.stock, a.relay)
 
 
 if __name__ == "__main__":

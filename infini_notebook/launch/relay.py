@@ -102,7 +102,7 @@ class RelayLink:
         self._pipe.connect(f"inproc://relay-{id(self)}")
         self._pipe_lock = threading.Lock()
         self._lock = threading.Condition()
-        self._hosts: dict[str, dict] = {}  # tag -> {"proc", "ranks", "seq", "up", "last"}
+        self._hosts: dict[str, dict] = {}  # tag -> {"proc", "seq", "up", "last"}
         self._host_of: dict[int, str] = {}  # rank -> its relay's tag
         self._here: set[int] = set()
         self._cells: dict[str, dict[int, RankFuture]] = {}  # msg_id -> rank -> future
@@ -134,7 +134,7 @@ class RelayLink:
         proc.stdin.write((json.dumps(keys) + "\n").encode())
         proc.stdin.close()
         with self._lock:
-            self._hosts[tag] = {"proc": proc, "ranks": set(ranks), "seq": 0, "up": 0, "last": 0}
+            self._hosts[tag] = {"proc": proc, "seq": 0, "up": 0, "last": 0}
             for r in ranks:
                 self._host_of[r] = tag
                 self._here.discard(r)
@@ -323,7 +323,9 @@ class RelayLink:
             return
         if kind == "here":
             with self._lock:
-                self._here.update(r for r in ranks if self._host_of.get(r) == tag)
+                for r in ranks:  # a rank is at the relay it said hello to
+                    self._host_of[r] = tag
+                    self._here.add(r)
                 self._lock.notify_all()
             return
         if kind == "missing":
@@ -410,7 +412,7 @@ class RelayLink:
             self._answered(r, None)
 
     def _fail_host(self, tag: str, why: str) -> None:
-        ranks = self._hosts[tag]["ranks"]
+        ranks = {r for r, t in self._host_of.items() if t == tag}
         for msg_id, futures in list(self._cells.items()):
             self._fail(msg_id, [r for r in futures if r in ranks], why)
 
