@@ -156,12 +156,12 @@ def run_cell(client, targets: list[int], code: str, link=None) -> tuple[float, f
         else:  # as kernel/execution._send_cell sends a --relay cell
             cell = Cell(link.prepare(code, "", targets), targets, StreamLabeler(), printer)
             link.send(cell.ar)
-        pending = list(cell.futures.values())
+        pending = set(targets)
         while pending:  # what CellWatch.follow does for output, without its liveness checks
             cell.changed.wait(0.05)
             cell.changed.clear()
             cell.show(final=False)
-            pending = [f for f in pending if not f.done()]
+            pending -= cell.finished_among(pending)
         cell.wait_for_trailing_output()
         cell.show(final=True)
         cell.render_final()
@@ -307,12 +307,14 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         for _ in range(3):  # warm: the first cells pay for connections and caches
             run_cell(client, targets, "pass", link)
         empty, ctl0, relay0 = [], controller_cpu_s(cluster), relay_cpu_s(link)
+        batches0 = link.batches if link is not None else 0
         for _ in range(cells):
             wall, cpu, out = run_cell(client, targets, "pass", link)
             check_empty_cell(out)
             empty.append((wall, cpu))
         controller_ms = (controller_cpu_s(cluster) - ctl0) / cells * 1000
         relay_ms = (relay_cpu_s(link) - relay0) / cells * 1000
+        batches = (link.batches - batches0) / cells if link is not None else 0
         printed = []
         for _ in range(max(3, cells // 4)):
             wall, cpu, out = run_cell(client, targets, "print('hello from', rank)", link)
@@ -356,6 +358,7 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         "kernel_cpu_ms_per_cell": round(med(empty, 1), 1),
         "controller_cpu_ms_per_cell": round(controller_ms, 1),
         "relay_cpu_ms_per_cell": round(relay_ms, 1),
+        "relay_batches_per_cell": round(batches, 1),
         "print_cell_wall_ms": round(med(printed, 0), 1),
         "print_kernel_cpu_ms": round(med(printed, 1), 1),
         "bcast_cell_wall_ms": round(med(bcast, 0), 1) if bcast else None,

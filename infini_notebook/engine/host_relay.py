@@ -22,15 +22,19 @@ timer, so nothing waits)."""
 from __future__ import annotations
 
 import base64
+import collections
+import hmac
 import json
 import logging
 import os
 import sys
 
 from ..core import signing
+from .relay_port import DELIM
 
 CELL, BATCH = "relay-cell", "relay-batch"  # the names the two directions are signed under
 MAX_BATCH = 4096  # rank messages packed into one batch at most
+SEEN_KEPT = 2**16  # the ranks' signatures remembered against replays (as Session keeps them)
 
 
 def pack(messages: list[tuple[int, dict]]) -> list[list]:
@@ -79,6 +83,8 @@ def _item(rank: int, msg: dict) -> tuple[tuple | None, list | None]:
         name, text = content.get("name"), content.get("text", "")
         return ("stream", pid, name, text), ["stream", [rank], pid, name, text]
     whole = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
+    if isinstance(whole["metadata"], bytes):  # read only now: see Relay._rank_message
+        whole["metadata"] = json.loads(whole["metadata"])
     whole["header"] = {k: str(v) for k, v in whole["header"].items()}  # dates as text
     whole["buffers"] = [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers", [])]
     return None, ["msg", [rank], whole]
@@ -129,6 +135,8 @@ class Relay:
         self.inbox.bind(replies)
         self.up.connect(up)
         self.cells_seen = 0  # the number of the last cell taken: a replayed one is dropped
+        self.seen: set[bytes] = set()  # the ranks' signatures seen (Session's digest_history)
+        self.seen_order: collections.deque = collections.deque()
         self.sent = 0
 
     def run(self) -> None:
@@ -198,13 +206,33 @@ class Relay:
             self._send(pack(messages))
 
     def _rank_message(self, frames: list[bytes]) -> tuple[int, dict] | None:
+        """A rank's message, checked as ``Session.deserialize`` checks one (its HMAC, and
+        a signature seen before is a replay), without its date parsing: the header's
+        date goes on as text. Metadata is read only for what goes whole (``_item``)."""
         tag = frames[0]
         if not (tag.startswith(b"r") and tag[1:].isdigit()):
             log.warning("a message from something that is no rank, dropped")
             return None
         try:
-            _, parts = self.session.feed_identities(frames[1:], copy=True)
-            msg = self.session.deserialize(parts, content=True, copy=True)
+            start = frames.index(DELIM) + 1
+            sig, header, parent, metadata, content = frames[start : start + 5]
+            if not hmac.compare_digest(sig, self.session.sign([header, parent, metadata, content])):
+                raise ValueError("bad signature")
+            if sig in self.seen:
+                raise ValueError("replayed")
+            self.seen.add(sig)
+            self.seen_order.append(sig)
+            if len(self.seen_order) > SEEN_KEPT:
+                self.seen.discard(self.seen_order.popleft())
+            msg = {
+                "header": json.loads(header),
+                "parent_header": json.loads(parent),
+                "metadata": metadata,
+                "content": json.loads(content),
+                "buffers": frames[start + 5 :],
+            }
+            if not isinstance(msg["header"], dict) or not isinstance(msg["content"], dict):
+                raise ValueError("not a message")
         except Exception as e:  # unsigned, replayed or malformed: never the kernel's
             log.warning("rank %s: a message dropped (%s)", tag[1:].decode(), e)
             return None

@@ -72,13 +72,20 @@ class Cell:
         self._dirty_lock = threading.Lock()
         self.heard_at = time.monotonic()  # when the last output message arrived
         self.received = {(r, name): 0 for r in targets for name in ("stdout", "stderr")}
+        self.texted: set[int] = set()  # ranks that wrote text
         self._callbacks = {}
+        # Ranks replied, and ranks whose output ended (idle), kept by the futures' own
+        # callbacks: asking 1,024 futures (each its lock) at every wake cost the kernel
+        # more than the messages did (docs/scale.md)
+        self.finished: set[int] = set()
+        self.output_ended: set[int] = set()
         for r, f in self.futures.items():
             self._callbacks[r] = functools.partial(self._on_message, r)
             with self._dirty_lock:  # a message arriving now waits for the snapshot
                 f.iopub_callbacks.append(self._callbacks[r])
                 self._take_snapshot(r)
             f.add_done_callback(functools.partial(self._wake, r))
+            f.output.add_done_callback(functools.partial(self._output_ended, r))
         self.changed.set()  # output that arrived before we listened is read at once
 
     @classmethod
@@ -127,6 +134,7 @@ class Cell:
     def _text_came(self, rank: int, name: str, text: str) -> None:
         self.files.write(rank, name, text)
         self.received[(rank, name)] += len(text)
+        self.texted.add(rank)
         self._events[rank].append(("text", name, text))
 
     def msg_id(self, rank: int) -> str | None:
@@ -159,7 +167,7 @@ class Cell:
         machine."""
         start = time.monotonic()
         while True:
-            owing = [r for r in self.targets if self.done(r) and not self.futures[r].output.done()]
+            owing = sorted(self.finished - self.output_ended)
             if not owing:
                 return
             heard = max(start, self.heard_at)
@@ -177,7 +185,11 @@ class Cell:
     def _wake(self, rank: int, _future=None) -> None:
         with self._dirty_lock:
             self.dirty.add(rank)
+            self.finished.add(rank)
         self.changed.set()
+
+    def _output_ended(self, rank: int, _future=None) -> None:
+        self.output_ended.add(rank)
 
     def detach(self, final: bool = False) -> None:
         """Stop listening to the ranks whose output is complete (all of them when
@@ -187,7 +199,11 @@ class Cell:
                 f.iopub_callbacks.remove(self._callbacks[r])
 
     def done(self, rank: int) -> bool:
-        return self.futures[rank].done()
+        """The rank replied (its future's result can be read)."""
+        return rank in self.finished
+
+    def finished_among(self, ranks: set[int]) -> set[int]:
+        return ranks & self.finished
 
     def metadata(self, rank: int) -> dict:
         return self.futures[rank].output.metadata
@@ -198,7 +214,8 @@ class Cell:
         if final:
             self.detach(final=True)  # before taking the text: nothing comes in after
         with self._dirty_lock:  # a message arriving after this is shown next time
-            ranks = self.targets if final else sorted(self.dirty)
+            # at the end, also each rank with text: its last line may be unfinished
+            ranks = sorted(self.dirty | self.texted) if final else sorted(self.dirty)
             self.dirty = set()
             events = {r: self._events[r] for r in ranks}
             for r in ranks:

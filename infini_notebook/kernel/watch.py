@@ -128,7 +128,7 @@ class CellWatch:
             pause = min(DEAD_CHECK_S, max(0.01, wake - time.monotonic()))
             if cell.changed.wait(pause):
                 cell.changed.clear()  # before reading: a later message wakes the next wait
-            finished = {r for r in running if cell.done(r)}
+            finished = cell.finished_among(running)
             # A lost connection is a consequence: look for a dead peer first, to name it.
             if running - finished and (
                 time.monotonic() - last_check > DEAD_CHECK_S or self.lost_peer(finished)

@@ -109,6 +109,12 @@ class RelayLink:
         self._busy: dict[int, str] = {}  # rank -> the cell it has not answered
         self._eids: dict[int, int] = {}
         self._stopping = False
+        self.batches = 0  # batches taken from the relays (benchmarks/bench_scale.py)
+        from ipyparallel import error
+        from ipyparallel.client.client import ExecuteReply
+
+        # ipyparallel's results, looked up once (a reply per rank and cell)
+        self._execute_reply, self._task_aborted = ExecuteReply, error.TaskAborted
         self._thread = threading.Thread(target=self._serve, name="relay-link", daemon=True)
         self._thread.start()
 
@@ -308,6 +314,7 @@ class RelayLink:
             log.warning("relay: batch %s from %s replayed, dropped", batch.get("seq"), tag)
             return
         host["last"] = batch["seq"]
+        self.batches += 1
         for item in batch.get("items", []):
             try:
                 self._apply(tag, item)
@@ -373,15 +380,12 @@ class RelayLink:
         self._publish(f, msg)
 
     def _reply(self, rank: int, f: RankFuture, content: dict) -> None:
-        from ipyparallel import error
-        from ipyparallel.client.client import ExecuteReply
-
         md = f.output.metadata
         md["status"] = content.get("status")
         if content.get("status") == "ok":
-            result = ExecuteReply(f.msg_id, content, md)
+            result = self._execute_reply(f.msg_id, content, md)
         elif content.get("status") == "aborted":
-            result = error.TaskAborted(f.msg_id)
+            result = self._task_aborted(f.msg_id)
             if not f.output.done():
                 f.output.set_result(None)  # an aborted request publishes nothing more
         else:
