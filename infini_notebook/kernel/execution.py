@@ -43,7 +43,8 @@ def run(
     refuse_top_level_await(code)
     dead = supervision.dead_ranks(s, targets)
     if dead:
-        raise DistUsageError(f"{supervision.dead_text(dead)}. Run %dist_restart --hard first.")
+        # the advice the failed cell gave (cell_error): replace them alone, or all
+        raise DistUsageError(f"{supervision.dead_text(dead)}. {recovery.replace_advice(dead)}")
     if users:
         s.require_whole()
     refuse_stuck(s, targets)

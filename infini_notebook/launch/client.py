@@ -102,9 +102,13 @@ class Client:
         """A rank's message handed to ipyparallel's client on its IO thread, as if it came
         on iopub (``Client._dispatch_iopub``, private: its comm_open makes the proxy comm
         that lets a rank's widget talk to the notebook)."""
+        import zmq
+
         client = self._client
         internals.require(client, ("_dispatch_iopub", "_io_loop"), "ipyparallel", "Client: iopub")
-        client._io_loop.add_callback(client._dispatch_iopub, msg)
+        # as frames off its iopub socket: the handler's decorator (unpack_message) unpacks them
+        raw = client.session.serialize(msg) + list(msg.get("buffers") or [])
+        client._io_loop.add_callback(client._dispatch_iopub, [zmq.Frame(f) for f in raw])
 
     # ----- the loop ---------------------------------------------------------------------------
     def in_loop(self, coro, timeout: float = 120):

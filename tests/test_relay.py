@@ -1,0 +1,271 @@
+"""``%dist_start --relay`` (issue 54): each cell goes once to the host's relay, which hands it
+to every rank and sends the kernel their answers packed. What a user sees must be what the
+ipyparallel path shows: every rank's lines labeled and in order, values, tracebacks,
+--ranks and --where, Stop, input(), widgets, a dead rank named and replaced, a hard restart,
+and a relay that died named in the next cell. In a real kernel on 4 CPU ranks (tp=2), one
+session for the module; the packing and the checks of what comes in are tested on their
+own below."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+from conftest import Frontend, text_of, use_session
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_faults import mark, press_stop_when, whole_message
+from test_output import (
+    test_tqdm_auto_bars_are_forwarded_widgets_labeled_on_their_line as check_tqdm_widgets,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+FLAGS = "--nprocs 4 --tp 2 --relay"
+
+
+@pytest.fixture
+def relayed(kernel):
+    use_session(kernel, FLAGS)
+    return kernel
+
+
+def completed_by_controller(kernel) -> list[int]:
+    """How many tasks the controller has seen each engine complete."""
+    out = text_of(
+        kernel.run(
+            "import json as _j\n_q = dist_session.engines.client.queue_status()\n"
+            "print(_j.dumps([_q[dist_session.engines.eid(r)]['completed'] for r in range(4)]))"
+        )
+    )
+    return json.loads(out)
+
+
+def test_each_ranks_lines_come_labeled_in_order_and_the_controller_runs_none(relayed):
+    before = completed_by_controller(relayed)
+    cell = relayed.run(
+        "%%dist\nimport sys\nfor i in range(5):\n    print('out', rank, i)\n"
+        "    print('err', rank, i, file=sys.stderr)\nfrom IPython.display import display, HTML\n"
+        "display(HTML(f'<b>r{rank}</b>'))\nrank * 10"
+    )
+    out, err = text_of(cell, "stdout"), text_of(cell, "stderr")
+    for r in range(4):
+        mine = [line for line in out.splitlines() if line.startswith(f"[rank {r}] out")]
+        assert mine == [f"[rank {r}] out {r} {i}" for i in range(5)], out
+        mine = [line for line in err.splitlines() if line.startswith(f"[rank {r}] err")]
+        assert mine == [f"[rank {r}] err {r} {i}" for i in range(5)], err
+    html = [o["data"]["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
+    assert [h for h in html if "<b>r" in h] == [f"<b>r{r}</b>" for r in range(4)], html
+    for r in range(4):  # each rank's value, as a line of its own
+        assert f"[rank {r}] {r * 10}\n" in out, out
+    assert completed_by_controller(relayed) == before  # the relay carried the cell
+
+
+def test_a_failing_rank_shows_its_traceback_once_and_the_others_finish(relayed):
+    cell = relayed.run(
+        "%%dist\nif rank == 2:\n    raise ValueError('only rank 2')\nprint('fine', rank)",
+        allow_error=True,
+    )
+    said = whole_message(cell)
+    assert "rank 2: ValueError: only rank 2" in said, said
+    shown = text_of(cell) + "".join("\n".join(o.get("traceback", [])) for o in cell.outputs)
+    assert shown.count("ValueError: only rank 2") >= 1
+    tracebacks = [o for o in cell.outputs if o.output_type == "error"]
+    assert len(tracebacks) == 1, tracebacks
+    for r in (0, 1, 3):
+        assert f"[rank {r}] fine {r}" in text_of(cell, "stdout")
+    out = text_of(relayed.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+
+
+def test_ranks_and_where_choose_the_ranks(relayed):
+    out = text_of(relayed.run("%%dist --ranks 1,3\nprint('here', rank)"))
+    assert re.findall(r"\[rank (\d)\] here", out) == ["1", "3"], out
+    out = text_of(relayed.run("%%dist --where tp=0\nprint('tp0', rank)"))
+    assert re.findall(r"\[rank (\d)\] tp0", out) == ["0", "2"], out
+
+
+def test_input_on_a_rank_is_answered_from_the_notebook(relayed):
+    ui = Frontend(relayed, ["Ada"])
+    assert ui.run("%%dist --ranks 1\nname = input('your name? ')\nprint('hello', name)") == "ok"
+    assert "[rank 1] hello Ada" in ui.shown.get("stdout", ""), ui.summary()
+
+
+def test_tqdm_widgets_reach_the_notebook_labeled(relayed):
+    check_tqdm_widgets(relayed, 4)  # test_output's own checks, on a relayed session
+
+
+def test_stop_ends_the_cell_and_the_next_one_runs(relayed, tmp_path):
+    pressed = press_stop_when(relayed, tmp_path, range(4))
+    cell = relayed.run(
+        f"%%dist\nimport time\n{mark(tmp_path)}\ntime.sleep(60)", allow_error=True, timeout=90
+    )
+    assert pressed, "the ranks never reached their sleep"
+    said = whole_message(cell)
+    assert "KeyboardInterrupt" in said or "interrupted" in said.lower(), said
+    out = text_of(relayed.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+
+
+def test_a_dead_rank_is_named_and_a_replacement_is_reached_through_the_relay(relayed):
+    cell = relayed.run(
+        "%%dist\nimport os, time\nif rank == 1:\n    os._exit(7)\n"
+        "time.sleep(0.5)\nprint('ok', rank)",
+        allow_error=True,
+        timeout=90,
+    )
+    said = whole_message(cell)
+    assert "rank 1" in said and "--ranks 1" in said, said
+    refused = whole_message(relayed.run("%%dist\nprint(rank)", allow_error=True))
+    assert "rank 1" in refused and "--ranks 1" in refused, refused
+    relayed.run("%dist_restart --ranks 1", timeout=240)
+    out = text_of(relayed.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+    assert dead_relay_free(relayed)
+
+
+def dead_relay_free(kernel) -> bool:
+    """No rank is counted busy with a relayed cell once every cell ended."""
+    return text_of(kernel.run("print(dist_session.engines.busy_relayed())")).strip() == "set()"
+
+
+def test_a_relay_that_died_is_named_and_a_hard_restart_brings_one_back(relayed):
+    pid = int(text_of(relayed.run("print(dist_session.engines.relay.pids()[0])")).strip())
+    os.kill(pid, signal.SIGKILL)  # the relay: a process this session started
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    said = whole_message(relayed.run("%%dist\nprint(rank)", allow_error=True, timeout=90))
+    assert "relay of host local ended" in said and "%dist_restart --hard" in said, said
+    relayed.run("%dist_restart --hard", timeout=240)
+    new = int(text_of(relayed.run("print(dist_session.engines.relay.pids()[0])")).strip())
+    assert new != pid
+    out = text_of(relayed.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+
+
+# ----- the parts on their own ---------------------------------------------------------------------
+def _msg(kind: str, parent: str, **content) -> dict:
+    return {"header": {"msg_type": kind}, "parent_header": {"msg_id": parent},
+            "metadata": {}, "content": content}  # fmt: skip
+
+
+def replay(items: list[list]) -> dict[int, list]:
+    """Each rank's messages as the kernel replays a batch's items, in item order."""
+    seen: dict[int, list] = {}
+    for item in items:
+        kind, ranks = item[0], item[1]
+        for r in ranks:
+            seen.setdefault(r, []).append((kind, *[json.dumps(x) for x in item[2:]]))
+    return seen
+
+
+MESSAGES = st.lists(
+    st.tuples(
+        st.integers(0, 3),
+        st.sampled_from(
+            [
+                _msg("stream", "c", name="stdout", text="same\n"),
+                _msg("stream", "c", name="stdout", text="other\n"),
+                _msg("execute_reply", "c", status="ok", execution_count=1),
+                _msg("status", "c", execution_state="idle"),
+                _msg("display_data", "c", data={"text/plain": "x"}, metadata={}),
+            ]
+        ),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(MESSAGES)
+def test_packing_never_reorders_a_ranks_messages(messages):
+    from infini_notebook.engine.host_relay import pack
+
+    items = pack(messages)
+    expected: dict[int, list] = {}
+    for r, m in messages:
+        for item in pack([(r, m)]):
+            expected.setdefault(r, []).append((item[0], *[json.dumps(x) for x in item[2:]]))
+    assert replay(items) == expected
+    assert len(items) <= len(messages)
+
+
+def test_alike_messages_of_several_ranks_are_sent_once():
+    from infini_notebook.engine.host_relay import pack
+
+    msgs = [(r, _msg("execute_reply", "c", status="ok", execution_count=3)) for r in range(64)]
+    msgs += [(r, _msg("status", "c", execution_state="idle")) for r in range(64)]
+    assert pack(msgs) == [["ok", list(range(64)), "c", 3], ["idle", list(range(64)), "c"]]
+
+
+def test_a_cell_not_signed_with_the_session_key_is_refused():
+    from infini_notebook.core import signing
+    from infini_notebook.engine.host_relay import sign_cell, verify_cell
+
+    key = signing.new_key()
+    frames = sign_cell(key, {"seq": 1, "ranks": [0]}, [b"<IDS|MSG>", b"sig", b"{}"])
+    assert verify_cell(key, frames) == {"seq": 1, "ranks": [0]}
+    assert verify_cell(signing.new_key(), frames) is None  # another key
+    assert verify_cell(key, [frames[0], b'{"seq": 1, "ranks": [0, 1]}', *frames[2:]]) is None
+    assert verify_cell(key, [frames[0], frames[1], *frames[2:-1], b"{'x': 1}"]) is None
+    assert verify_cell(key, frames[:1]) is None
+
+
+def test_rank_messages_unsigned_replayed_or_malformed_are_dropped(tmp_path):
+    from jupyter_client.session import Session
+
+    from infini_notebook.core import signing
+    from infini_notebook.engine.host_relay import Relay
+
+    keys = {"signing": signing.new_key(), "jupyter": "k" * 64, "scheme": "hmac-sha256"}
+    place = f"ipc://{tmp_path}"
+    relay = Relay(f"{place}/up", f"{place}/rq", f"{place}/rp", "t", keys)
+    ranks = Session(key=keys["jupyter"].encode(), signature_scheme="hmac-sha256")
+    msg = ranks.msg("status", {"execution_state": "idle"}, parent={"msg_id": "c"})
+    frames = [b"r1", *ranks.serialize(msg)]
+    got = relay._rank_message(frames)
+    assert got is not None and got[0] == 1 and got[1]["content"]["execution_state"] == "idle"
+    assert relay._rank_message(frames) is None  # replayed
+    other = Session(key=b"x" * 64, signature_scheme="hmac-sha256")
+    assert relay._rank_message([b"r1", *other.serialize(other.msg("status", {}))]) is None
+    bad = ranks.serialize(ranks.msg("status", {}))
+    bad[-1] = b"[1, 2]"  # a list for content, signed
+    bad[1] = ranks.sign(bad[2:6])
+    assert relay._rank_message([b"r1", *bad]) is None
+    assert relay._rank_message([b"nobody", *ranks.serialize(msg)]) is None
+
+
+def test_relay_is_refused_where_it_cannot_work_yet():
+    from infini_notebook.core.errors import DistUsageError
+    from infini_notebook.launch.machine import plan_from_options
+
+    with pytest.raises(DistUsageError, match="--relay does not work with --keep"):
+        plan_from_options(nprocs=2, relay=True, name="r", keep="1m")
+    with pytest.raises(DistUsageError, match="--relay runs its relay on this machine"):
+        plan_from_options(nprocs=2, relay=True, launcher="ssh", hosts="localhost:2")
+    assert plan_from_options(nprocs=2, relay=True).relay is True
+
+
+def test_the_kernel_drops_forged_and_replayed_batches():
+    from infini_notebook.core import signing
+    from infini_notebook.engine.host_relay import BATCH
+    from infini_notebook.launch.relay import RelayLink
+
+    link = RelayLink.__new__(RelayLink)  # its batch check alone: no sockets
+    link.key, link.batches = signing.new_key(), 0
+    link._hosts = {"h": {"last": 0}}
+    applied = []
+    link._apply = lambda tag, item: applied.append(item)
+    batch = json.dumps({"seq": 1, "items": [["idle", [0], "c"]]})
+    link._batch("h", signing.sign(signing.new_key(), BATCH, batch))  # forged
+    assert applied == []
+    link._batch("h", signing.sign(link.key, BATCH, batch))
+    link._batch("h", signing.sign(link.key, BATCH, batch))  # replayed
+    link._batch("nobody", signing.sign(link.key, BATCH, batch))  # no such relay
+    assert applied == [["idle", [0], "c"]]
