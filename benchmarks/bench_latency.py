@@ -1,6 +1,9 @@
 """Empty-cell latency across world sizes: ``%%dist`` against ipyparallel's ``%%px``.
 
-    .venv/bin/python benchmarks/bench_latency.py [--ranks 2 4 8 16] [--cells 60]
+    .venv/bin/python benchmarks/bench_latency.py [--ranks 2 4 8 16] [--cells 60] [--relay]
+
+``--relay``: our session is started with ``--relay`` (docs/scale.md): ``%%dist`` cells go
+through the host's relay; the three ``%%px`` columns are as without it.
 
 For each world size, in one IPython shell: our session (``infini_notebook.start``) and a
 stock ``ipp.Cluster`` with as many engines (what a ``%%px`` user runs), both up at once.
@@ -78,14 +81,14 @@ def timed(fn, out: list[float], cpu: list[float]) -> None:
     cpu.append(time.process_time() - c)
 
 
-def one_size(shell, n: int, cells: int) -> dict[str, float]:
+def one_size(shell, n: int, cells: int, relay: bool = False) -> dict[str, float]:
     import infini_notebook
 
     # 64 engines on a loaded 2-core machine take longer than ipyparallel's 60 s default
     stock = ipp.Cluster(n=n, log_level=40, engine_timeout=600)
     stock_client = stock.start_and_connect_sync()
     stock_client.wait_for_engines(n, interactive=False, timeout=600)
-    session = infini_notebook.start(nprocs=n)
+    session = infini_notebook.start(nprocs=n, relay=relay)
     try:
         ours_view = session.engines.client.view(slice(None))
         ours_view.block = True
@@ -127,13 +130,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--cells", type=int, default=60)
+    parser.add_argument("--relay", action="store_true", help="our session with --relay")
     args = parser.parse_args()
 
     from IPython.testing.globalipapp import start_ipython
 
     shell = start_ipython()
     shell.run_line_magic("load_ext", "infini_notebook")
-    rows = [(n, one_size(shell, n, args.cells)) for n in args.ranks]
+    rows = [(n, one_size(shell, n, args.cells, args.relay)) for n in args.ranks]
     print(f"\nempty cell, median of {args.cells}: wall ms (the kernel's CPU ms per rank)")
     print(" ranks   %%px (stock)     %%dist           ratio   %%px on ours     %%px tree")
     for n, t in rows:

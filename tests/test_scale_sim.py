@@ -39,12 +39,14 @@ def test_the_benchmark_runs_at_a_small_size_and_ends_with_its_json():
     assert figures["kernel_cpu_ms_per_cell"] <= 2 * figures["cell_wall_ms"] + 5, figures
 
 
-def test_the_relay_floor_runs_its_oracles_and_ends_with_its_json():
-    """benchmarks/bench_relay_floor.py: the kernel's side of a cell packed per host; the
-    oracle it shares with bench_scale checks every cell before a figure counts."""
-    figures = run_benchmark("bench_relay_floor.py", 8, "--hosts", "3", "--cells", "2", timeout=120)
-    assert set(figures) == {f"floor{p}_{m}_ms" for p in ("", "_print") for m in ("wall", "cpu")}
-    assert all(v > 0 for v in figures.values()), figures
+def test_the_benchmark_through_relays_runs_its_oracles_and_ends_with_its_json():
+    """bench_scale.py --relay: a real relay per simulated host, the session's RelayLink and
+    Cell on the kernel's side; the oracles check every cell before a figure counts."""
+    figures = run_benchmark(
+        "bench_scale.py", 6, "--hosts", "2", "--cells", "2", "--relay", timeout=240
+    )
+    assert figures["relay_batches_per_cell"] > 0 and figures["relay_cpu_ms_per_cell"] >= 0
+    assert figures["kernel_cpu_ms_per_cell"] > 0 and figures["cell_wall_ms"] > 0, figures
 
 
 def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():
