@@ -82,6 +82,14 @@ def test_a_failing_rank_shows_its_traceback_once_and_the_others_finish(relayed):
     assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
 
 
+def test_text_that_is_not_utf8_is_shown_replaced_and_the_cell_ends(relayed):
+    """A file name that is not UTF-8, printed: its bytes are not JSON's, as Jupyter's
+    unpacker reads them they are replaced; the line and the rest of the cell still come."""
+    out = text_of(relayed.run("%%dist\nimport os\nprint(os.fsdecode(b'caf\\xe9'), rank)"))
+    for r in range(4):
+        assert re.search(rf"\[rank {r}\] caf\S* {r}", out), out
+
+
 def test_ranks_and_where_choose_the_ranks(relayed):
     out = text_of(relayed.run("%%dist --ranks 1,3\nprint('here', rank)"))
     assert re.findall(r"\[rank (\d)\] here", out) == ["1", "3"], out

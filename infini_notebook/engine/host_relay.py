@@ -84,10 +84,16 @@ def _item(rank: int, msg: dict) -> tuple[tuple | None, list | None]:
         return ("stream", pid, name, text), ["stream", [rank], pid, name, text]
     whole = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
     if isinstance(whole["metadata"], bytes):  # read only now: see Relay._rank_message
-        whole["metadata"] = json.loads(whole["metadata"])
+        whole["metadata"] = _unpack(whole["metadata"])
     whole["header"] = {k: str(v) for k, v in whole["header"].items()}  # dates as text
     whole["buffers"] = [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers", [])]
     return None, ["msg", [rank], whole]
+
+
+def _unpack(raw: bytes):
+    """JSON as Jupyter's unpacker reads it (``jupyter_client.jsonutil``'s ``json_unpacker``):
+    bytes that are not UTF-8 (a non-UTF-8 file name printed) replaced, not refused."""
+    return json.loads(raw.decode("utf8", "replace"))
 
 
 def sign_cell(key: str, head: dict, message: list[bytes]) -> list[bytes]:
@@ -145,8 +151,11 @@ class Relay:
         for sock in (self.up, self.ranks, self.inbox):
             poller.register(sock, zmq.POLLIN)
         self._send([["up", os.getpid()]])
+        parent = os.getppid()
         while True:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(1000))
+            if os.getppid() != parent:  # the kernel ended: so does its relay
+                return
             if self.up in ready and not self._from_kernel():
                 return
             if self.ranks in ready:
@@ -225,10 +234,10 @@ class Relay:
             if len(self.seen_order) > SEEN_KEPT:
                 self.seen.discard(self.seen_order.popleft())
             msg = {
-                "header": json.loads(header),
-                "parent_header": json.loads(parent),
+                "header": _unpack(header),
+                "parent_header": _unpack(parent),
                 "metadata": metadata,
-                "content": json.loads(content),
+                "content": _unpack(content),
                 "buffers": frames[start + 5 :],
             }
             if not isinstance(msg["header"], dict) or not isinstance(msg["content"], dict):

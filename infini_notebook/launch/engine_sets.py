@@ -121,7 +121,8 @@ class Engines:
             return
         from ..core import signing
 
-        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client)
+        mark = {MARK: self.folder.profile_dir}  # a process of the session's: see watchdog.py
+        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client, mark)
         self.relay.add_host("local", list(range(self.plan.world_size)))
 
     def _write_map(self) -> None:

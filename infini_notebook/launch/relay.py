@@ -81,12 +81,13 @@ class RelayLink:
     they carry. ``add_host`` starts one; ``prepare`` then ``send`` a cell; ``busy`` is
     which ranks have not answered a cell; ``stop`` ends the relays."""
 
-    def __init__(self, place: str, signing_key: str, client):
+    def __init__(self, place: str, signing_key: str, client, env: dict | None = None):
         """``place``: a 0700 folder for the sockets; ``client``: the session's
-        launch.client.Client (its ipyparallel session builds and signs requests)."""
+        launch.client.Client (its ipyparallel session builds and signs requests); ``env``:
+        added to the relays' environment (the session's mark, so its watchdog ends them)."""
         import zmq
 
-        self.place, self.key, self.client = place, signing_key, client
+        self.place, self.key, self.client, self.env = place, signing_key, client, env or {}
         self._ctx = zmq.Context.instance()
         self._up = self._ctx.socket(zmq.ROUTER)
         self._up.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -135,7 +136,7 @@ class RelayLink:
             [sys.executable, "-m", "infini_notebook.engine.host_relay", up, requests, replies, tag],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(place, f"relay-{tag}.log"), "ab"),
-            start_new_session=True,
+            start_new_session=True, env=dict(os.environ, **self.env),
         )  # fmt: skip
         proc.stdin.write((json.dumps(keys) + "\n").encode())
         proc.stdin.close()
