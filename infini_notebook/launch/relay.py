@@ -191,20 +191,22 @@ class RelayLink:
         connected (a rank just bootstrapped may still be saying hello)."""
         targets = list(cell.futures)
         with self._lock:
-            for r in targets:
-                self._busy[r] = cell.msg_id
             ok = self._lock.wait_for(
                 lambda: self._here.issuperset(targets) or self._dead_hosts(targets), HERE_WAIT_S
             )
             dead = self._dead_hosts(targets)
+            missing = [] if ok else sorted(set(targets) - self._here)
+            sent = [r for r in targets if r not in missing]
+            if not dead:
+                for r in sent:  # owed until its reply (stuck-rank checks read it)
+                    self._busy[r] = cell.msg_id
         if dead:
             self.forget(cell)
             raise RelayGone("; ".join(self._gone_text(t) for t in dead))
-        missing = [] if ok else sorted(set(targets) - self._here)
         if missing:
             self._fail(cell.msg_id, missing, "its engine never reached its host's relay")
         by_host: dict[str, list[int]] = {}
-        for r in (r for r in targets if r not in missing):
+        for r in sent:
             by_host.setdefault(self._host_of[r], []).append(r)
         for tag, ranks in by_host.items():
             self._post([b"cell", tag.encode(), json.dumps(ranks).encode(), *cell.frames])
