@@ -4,6 +4,7 @@ and ``engine/kernel.py`` do, without IPython or torch). For bench_scale.py: the 
 side of a session with 1,024 ranks, on one machine.
 
     python benchmarks/sim_host.py ENGINE_JSON --engines K [--host-index I] [--store HOST:PORT]
+        [--relay REQUESTS REPLIES]
 
 Each identity registers as an engine (``registration_request`` on the controller's
 registration socket), answers the heartbeat with its own DEALER, and on its own shell
@@ -25,6 +26,10 @@ kernel's TCPStore: its bootstrap (a key of its own set, a counter added to; then
 waits for ``sim/ready``, which the kernel sets once all joined) and a telemetry key,
 signed with ``SIM_MAC_KEY`` as a rank signs it, set every ``--telemetry-s``. The store
 client per identity is real (torch).
+
+With ``--relay`` (bench_scale.py --relay), each identity also takes cells from its host's
+relay (engine/host_relay.py) as a rank's engine/relay_port.py does: a DEALER with the
+rank's tag, a hello, and what a request produces sent to the relay's PULL, tagged.
 
 Prints ``registered K`` once every identity has its id, then serves until stdin closes or
 SIGTERM.
