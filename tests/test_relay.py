@@ -213,24 +213,39 @@ def test_alike_messages_of_several_ranks_are_sent_once():
     assert pack(msgs) == [["ok", list(range(64)), "c", 3], ["idle", list(range(64)), "c"]]
 
 
-def test_a_cell_not_signed_with_the_session_key_is_refused():
+def test_a_cell_not_signed_with_the_session_key_for_this_host_is_refused():
     from infini_notebook.core import signing
     from infini_notebook.engine.host_relay import sign_cell, verify_cell
 
     key = signing.new_key()
-    frames = sign_cell(key, {"seq": 1, "ranks": [0]}, [b"<IDS|MSG>", b"sig", b"{}"])
-    assert verify_cell(key, frames) == {"seq": 1, "ranks": [0]}
-    assert verify_cell(signing.new_key(), frames) is None  # another key
-    assert verify_cell(key, [frames[0], b'{"seq": 1, "ranks": [0, 1]}', *frames[2:]]) is None
-    assert verify_cell(key, [frames[0], frames[1], *frames[2:-1], b"{'x': 1}"]) is None
-    assert verify_cell(key, frames[:1]) is None
+    frames = sign_cell(key, "h0", {"seq": 1, "ranks": [0]}, [b"<IDS|MSG>", b"sig", b"{}"])
+    assert verify_cell(key, "h0", frames) == {"seq": 1, "ranks": [0]}
+    assert verify_cell(key, "h1", frames) is None  # another host's cell
+    assert verify_cell(signing.new_key(), "h0", frames) is None  # another key
+    assert verify_cell(key, "h0", [frames[0], b'{"seq": 1, "ranks": [0, 1]}', *frames[2:]]) is None
+    assert verify_cell(key, "h0", [frames[0], frames[1], *frames[2:-1], b"{'x': 1}"]) is None
+    assert verify_cell(key, "h0", frames[:1]) is None
 
 
-def test_rank_messages_unsigned_replayed_or_malformed_are_dropped(tmp_path):
+def _signed(session, msg: dict, **replace) -> list[bytes]:
+    """``msg`` serialized by ``session``, parts replaced by raw JSON, then signed again (a
+    rank's own code can have its session sign anything)."""
+    frames = session.serialize(msg)
+    for i, name in enumerate(("header", "parent", "metadata", "content")):
+        if name in replace:
+            frames[2 + i] = replace[name]
+    frames[1] = session.sign(frames[2:6])
+    return frames
+
+
+def test_rank_messages_unsigned_replayed_or_malformed_are_dropped_and_the_relay_lives(tmp_path):
+    """What the attacker of the relay found (uid 65534 could not reach its sockets; these
+    come from a rank's own code, which its session signs): each dropped with a log line,
+    and the relay goes on."""
     from jupyter_client.session import Session
 
     from infini_notebook.core import signing
-    from infini_notebook.engine.host_relay import Relay
+    from infini_notebook.engine.host_relay import Relay, pack
 
     keys = {"signing": signing.new_key(), "jupyter": "k" * 64, "scheme": "hmac-sha256"}
     place = f"ipc://{tmp_path}"
@@ -243,11 +258,35 @@ def test_rank_messages_unsigned_replayed_or_malformed_are_dropped(tmp_path):
     assert relay._rank_message(frames) is None  # replayed
     other = Session(key=b"x" * 64, signature_scheme="hmac-sha256")
     assert relay._rank_message([b"r1", *other.serialize(other.msg("status", {}))]) is None
-    bad = ranks.serialize(ranks.msg("status", {}))
-    bad[-1] = b"[1, 2]"  # a list for content, signed
-    bad[1] = ranks.sign(bad[2:6])
-    assert relay._rank_message([b"r1", *bad]) is None
+    stream = ranks.msg("stream", {"name": "stdout", "text": "x"}, parent={"msg_id": "c"})
+    reply = ranks.msg("execute_reply", {"status": "ok"}, parent={"msg_id": "c"})
+    malformed = [
+        _signed(ranks, ranks.msg("status", {}), content=b"[1, 2]"),
+        _signed(ranks, ranks.msg("status", {}), parent=b"[1]"),
+        _signed(ranks, ranks.msg("status", {}), parent=b'"text"'),
+        _signed(ranks, ranks.msg("status", {}), metadata=b"not json"),
+        _signed(ranks, stream, content=b'{"name": ["x"], "text": "a"}'),
+        _signed(ranks, stream, content=b'{"name": "stdout", "text": {"a": 1}}'),
+        _signed(ranks, reply, content=b'{"status": "ok", "execution_count": [1]}'),
+        _signed(ranks, stream, parent=b'{"msg_id": {"a": 1}}'),
+    ]
+    for bad in malformed:
+        assert relay._rank_message([b"r1", *bad]) is None, bad
+    assert relay._rank_message([b"r" + b"9" * 5000, *ranks.serialize(msg)]) is None
     assert relay._rank_message([b"nobody", *ranks.serialize(msg)]) is None
+    # a display nested deeper than JSON writes here: dropped from the batch, the rest sent
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    shown = ranks.msg("display_data", {"data": {"application/json": []}, "metadata": {}},
+                      parent={"msg_id": "c"})  # fmt: skip
+    items = pack([(1, relay._rank_message([b"r1", *ranks.serialize(shown)])[1]), got])
+    items[0][2]["content"]["data"]["application/json"] = deep
+    relay.up.close(linger=0)
+    sent = []
+    relay.up = type("Up", (), {"send": lambda self, raw: sent.append(raw)})()
+    relay._send(items)
+    assert len(sent) == 1 and b'"idle"' in sent[0] and b"display_data" not in sent[0]
 
 
 def test_relay_is_refused_where_it_cannot_work_yet():
@@ -268,13 +307,15 @@ def test_the_kernel_drops_forged_and_replayed_batches():
 
     link = RelayLink.__new__(RelayLink)  # its batch check alone: no sockets
     link.key, link.batches = signing.new_key(), 0
-    link._hosts = {"h": {"last": 0}}
     applied = []
     link._apply = lambda tag, item: applied.append(item)
+    link._hosts = {"h": {"last": 0}, "g": {"last": 0}}
     batch = json.dumps({"seq": 1, "items": [["idle", [0], "c"]]})
-    link._batch("h", signing.sign(signing.new_key(), BATCH, batch))  # forged
+    link._batch("h", signing.sign(signing.new_key(), f"{BATCH}/h", batch))  # forged
     assert applied == []
-    link._batch("h", signing.sign(link.key, BATCH, batch))
-    link._batch("h", signing.sign(link.key, BATCH, batch))  # replayed
-    link._batch("nobody", signing.sign(link.key, BATCH, batch))  # no such relay
+    link._batch("h", signing.sign(link.key, f"{BATCH}/g", batch))  # another host's
+    assert applied == []
+    link._batch("h", signing.sign(link.key, f"{BATCH}/h", batch))
+    link._batch("h", signing.sign(link.key, f"{BATCH}/h", batch))  # replayed
+    link._batch("nobody", signing.sign(link.key, f"{BATCH}/nobody", batch))  # no such relay
     assert applied == [["idle", [0], "c"]]

@@ -5,7 +5,7 @@ batch, instead of two or more signed messages per rank through ipyparallel's con
 client. So the kernel's cost of a cell grows with hosts, and per rank only by what the
 ranks said.
 
-    python -m infini_notebook.engine.host_relay UP REQUESTS REPLIES TAG   (keys on stdin)
+    python -m infini_notebook.engine.host_relay UP REQUESTS REPLIES TAG KERNEL_PID  (keys on stdin)
 
 UP is the kernel's ROUTER (launch/relay.py); REQUESTS (a ROUTER, the ranks' DEALERs connect
 with their tag ``r<rank>``) and REPLIES (a PULL, the ranks' PUSHes) are bound here. Every
@@ -83,11 +83,45 @@ def _item(rank: int, msg: dict) -> tuple[tuple | None, list | None]:
         name, text = content.get("name"), content.get("text", "")
         return ("stream", pid, name, text), ["stream", [rank], pid, name, text]
     whole = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
-    if isinstance(whole["metadata"], bytes):  # read only now: see Relay._rank_message
-        whole["metadata"] = _unpack(whole["metadata"])
     whole["header"] = {k: str(v) for k, v in whole["header"].items()}  # dates as text
     whole["buffers"] = [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers", [])]
     return None, ["msg", [rank], whole]
+
+
+def rank_of(tag: bytes) -> int | None:
+    """The rank a tag ``r<rank>`` names (at most 7 digits), else None."""
+    if not (tag.startswith(b"r") and 1 < len(tag) <= 8 and tag[1:].isdigit()):
+        return None
+    return int(tag[1:])
+
+
+def shape_problem(msg: dict) -> str | None:
+    """What makes a signed message unfit to pass on (a rank's own code can send anything
+    its session signs), or None: the fields packing reads must have their types."""
+    header, parent, content = msg["header"], msg["parent_header"], msg["content"]
+    if not all(isinstance(x, dict) for x in (header, parent, content, msg["metadata"])):
+        return "header, parent, metadata and content must be objects"
+    if not isinstance(header.get("msg_type"), str):
+        return "no message type"
+    if not isinstance(parent.get("msg_id", ""), str):
+        return "a parent id that is no string"
+    kind = header["msg_type"]
+    if kind == "stream" and not (
+        isinstance(content.get("name"), str) and isinstance(content.get("text", ""), str)
+    ):
+        return "a stream whose name or text is no string"
+    if kind == "execute_reply" and not isinstance(content.get("execution_count", 0), int | None):
+        return "an execution count that is no number"
+    return None
+
+
+def _dumps(obj) -> bytes | None:
+    """JSON of ``obj``, or None where it cannot be written (a rank's display nested deeper
+    than this process may recurse: it must not end the relay)."""
+    try:
+        return json.dumps(obj, default=str).encode()
+    except (RecursionError, ValueError, TypeError):
+        return None
 
 
 def _unpack(raw: bytes):
@@ -96,19 +130,21 @@ def _unpack(raw: bytes):
     return json.loads(raw.decode("utf8", "replace"))
 
 
-def sign_cell(key: str, head: dict, message: list[bytes]) -> list[bytes]:
-    """A cell as the kernel sends it: ``[tag, head, *message]``, the tag over both."""
+def sign_cell(key: str, host: str, head: dict, message: list[bytes]) -> list[bytes]:
+    """A cell as the kernel sends it to ``host``'s relay: ``[tag, head, *message]``, the
+    tag over both and the host (a cell for one host is no cell for another)."""
     raw = json.dumps(head).encode()
-    tag = signing.sign(key, CELL, raw + b"\0" + b"".join(message))[: signing.TAG_LEN]
+    name = f"{CELL}/{host}"
+    tag = signing.sign(key, name, raw + b"\0" + b"".join(message))[: signing.TAG_LEN]
     return [tag, raw, *message]
 
 
-def verify_cell(key: str, frames: list[bytes]) -> dict | None:
-    """The head of a cell signed with ``key``; None for anything else."""
+def verify_cell(key: str, host: str, frames: list[bytes]) -> dict | None:
+    """The head of a cell for ``host`` signed with ``key``; None for anything else."""
     if len(frames) < 2:
         return None
     tag, raw, message = frames[0], frames[1], frames[2:]
-    if signing.verify(key, CELL, tag + raw + b"\0" + b"".join(message)) is None:
+    if signing.verify(key, f"{CELL}/{host}", tag + raw + b"\0" + b"".join(message)) is None:
         return None
     try:
         head = json.loads(raw)
@@ -120,12 +156,13 @@ def verify_cell(key: str, frames: list[bytes]) -> dict | None:
 class Relay:
     """The relay's sockets and its two checks; ``run`` serves until the kernel says stop."""
 
-    def __init__(self, up: str, requests: str, replies: str, tag: str, keys: dict):
+    def __init__(self, up: str, requests: str, replies: str, tag: str, keys: dict, parent: int = 0):
+        """``parent``: the kernel's pid (the relay ends when its parent is no longer it)."""
         import zmq
         from jupyter_client.session import Session
 
         self.zmq = zmq
-        self.key = keys["signing"]
+        self.key, self.tag = keys["signing"], tag
         # The ranks' messages are signed with the engines' Jupyter key (ipyparallel's)
         self.session = Session(key=keys["jupyter"].encode(), signature_scheme=keys["scheme"])
         ctx = zmq.Context.instance()
@@ -134,12 +171,14 @@ class Relay:
         self.up.setsockopt(zmq.LINGER, 1000)
         self.ranks = ctx.socket(zmq.ROUTER)
         self.ranks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not here: said, not lost
-        self.ranks.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replaced rank takes its tag over
+        # No ROUTER_HANDOVER: a second connection with a rank's tag does not take the rank's
+        # place (a replaced rank's old connection is gone before the new one says hello)
         self.inbox = ctx.socket(zmq.PULL)
         os.umask(0o077)  # the sockets' files: this user's only (the folder is 0700 too)
         self.ranks.bind(requests)
         self.inbox.bind(replies)
         self.up.connect(up)
+        self.parent = parent or os.getppid()
         self.cells_seen = 0  # the number of the last cell taken: a replayed one is dropped
         self.seen: set[bytes] = set()  # the ranks' signatures seen (Session's digest_history)
         self.seen_order: collections.deque = collections.deque()
@@ -151,7 +190,7 @@ class Relay:
         for sock in (self.up, self.ranks, self.inbox):
             poller.register(sock, zmq.POLLIN)
         self._send([["up", os.getpid()]])
-        parent = os.getppid()
+        parent = self.parent
         while True:
             ready = dict(poller.poll(1000))
             if os.getppid() != parent:  # the kernel ended: so does its relay
@@ -166,7 +205,7 @@ class Relay:
     def _from_kernel(self) -> bool:
         """A cell to hand to ranks, or stop; False to stop."""
         frames = self.up.recv_multipart(copy=True)
-        head = verify_cell(self.key, frames)
+        head = verify_cell(self.key, self.tag, frames)
         if head is None:
             log.warning("a cell not signed with the session's key, dropped")
             return True
@@ -196,8 +235,9 @@ class Relay:
                 tag, *_ = self.ranks.recv_multipart(flags=self.zmq.NOBLOCK)
             except self.zmq.Again:
                 break
-            if tag.startswith(b"r") and tag[1:].isdigit():
-                here.append(int(tag[1:]))
+            rank = rank_of(tag)
+            if rank is not None:
+                here.append(rank)
         if here:
             self._send([["here", sorted(set(here))]])
 
@@ -218,8 +258,8 @@ class Relay:
         """A rank's message, checked as ``Session.deserialize`` checks one (its HMAC, and
         a signature seen before is a replay), without its date parsing: the header's
         date goes on as text. Metadata is read only for what goes whole (``_item``)."""
-        tag = frames[0]
-        if not (tag.startswith(b"r") and tag[1:].isdigit()):
+        rank = rank_of(frames[0])
+        if rank is None:
             log.warning("a message from something that is no rank, dropped")
             return None
         try:
@@ -236,31 +276,38 @@ class Relay:
             msg = {
                 "header": _unpack(header),
                 "parent_header": _unpack(parent),
-                "metadata": metadata,
+                "metadata": _unpack(metadata),
                 "content": _unpack(content),
                 "buffers": frames[start + 5 :],
             }
-            if not isinstance(msg["header"], dict) or not isinstance(msg["content"], dict):
-                raise ValueError("not a message")
+            problem = shape_problem(msg)
+            if problem:
+                raise ValueError(problem)
         except Exception as e:  # unsigned, replayed or malformed: never the kernel's
-            log.warning("rank %s: a message dropped (%s)", tag[1:].decode(), e)
+            log.warning("rank %d: a message dropped (%.200s)", rank, e)
             return None
-        return int(tag[1:]), msg
+        return rank, msg
 
     def _send(self, items: list[list]) -> None:
         self.sent += 1
-        body = json.dumps({"seq": self.sent, "items": items}, default=str).encode()
-        self.up.send(signing.sign(self.key, BATCH, body))
+        body = _dumps({"seq": self.sent, "items": items})
+        if body is None:  # an item JSON cannot write (nested too deep): the others go
+            kept = [item for item in items if _dumps(item) is not None]
+            log.warning("%d item(s) JSON cannot write, dropped", len(items) - len(kept))
+            body = _dumps({"seq": self.sent, "items": kept})
+        self.up.send(signing.sign(self.key, f"{BATCH}/{self.tag}", body))
 
 
 log = logging.getLogger("infini_notebook.relay")
 
 
 def main(argv: list[str]) -> None:
-    up, requests, replies, tag = argv
+    up, requests, replies, tag, parent = argv
+    if os.getppid() != int(parent):  # the kernel ended while this process started
+        return
     keys = json.loads(sys.stdin.readline())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s relay: %(message)s")
-    Relay(up, requests, replies, tag, keys).run()
+    Relay(up, requests, replies, tag, keys, int(parent)).run()
 
 
 if __name__ == "__main__":

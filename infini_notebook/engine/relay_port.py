@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hmac
 import threading
 
 DELIM = b"<IDS|MSG>"  # jupyter_client.session.Session.DELIM
@@ -90,9 +91,12 @@ def _received(kernel, relayed, dispatch, frames):
     session = kernel.session
     try:
         _, msg = session.feed_identities(frames, copy=False)
-        header = session.unpack(msg[1].bytes)
-    except Exception:
-        kernel.log.warning("relay: a request that is no message, dropped")
+        parts = [m.bytes for m in msg[:5]]
+        if not hmac.compare_digest(parts[0], session.sign(parts[1:5])):
+            raise ValueError("not signed with the session's key")
+        header = session.unpack(parts[1])
+    except Exception:  # dispatch_shell would drop it too: none of its ids is taken
+        kernel.log.warning("relay: a request that is no message of ours, dropped")
         return None
     relayed.append(header.get("msg_id"))
     return dispatch(frames)

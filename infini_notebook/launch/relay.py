@@ -132,12 +132,17 @@ class RelayLink:
             "jupyter": session.key.decode(),
             "scheme": session.signature_scheme,
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infini_notebook.engine.host_relay", up, requests, replies, tag],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(place, f"relay-{tag}.log"), "ab"),
-            start_new_session=True, env=dict(os.environ, **self.env),
-        )  # fmt: skip
+        argv = [up, requests, replies, tag, str(os.getpid())]
+        with _private_log(os.path.join(place, f"relay-{tag}.log")) as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "infini_notebook.engine.host_relay", *argv],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log_file,
+                # the 0700 folder: `-m` imports from the working folder first, and the
+                # kernel's may be one others can write (a notebook in /tmp)
+                cwd=place,
+                start_new_session=True,  # the kernel's SIGINT (the Stop button) is not its
+                env=dict(os.environ, **self.env),
+            )  # fmt: skip
         proc.stdin.write((json.dumps(keys) + "\n").encode())
         proc.stdin.close()
         with self._lock:
@@ -285,9 +290,8 @@ class RelayLink:
                 head["ranks"] = json.loads(rest[1])
                 message = rest[2:]
             try:
-                self._up.send_multipart(
-                    [rest[0], *host_relay.sign_cell(self.key, head, message)], flags=zmq.NOBLOCK
-                )
+                signed = host_relay.sign_cell(self.key, tag, head, message)
+                self._up.send_multipart([rest[0], *signed], flags=zmq.NOBLOCK)
             except zmq.ZMQError as e:  # the relay is gone: its ranks' parts fail
                 if what == b"cell":
                     self._fail_host(tag, f"its host's relay could not be reached ({e})")
@@ -308,7 +312,7 @@ class RelayLink:
         """One relay's batch: checked (signed by the session's key, newer than the last),
         then each item applied in order."""
         host = self._hosts.get(tag)
-        body = signing.verify(self.key, host_relay.BATCH, raw) if host else None
+        body = signing.verify(self.key, f"{host_relay.BATCH}/{tag}", raw) if host else None
         if body is None:
             log.warning("relay: a batch not signed with the session's key, dropped")
             return
@@ -442,6 +446,13 @@ class RelayLink:
         code = self._hosts[tag]["proc"].poll()
         log_file = os.path.join(self.place, f"relay-{tag}.log")
         return f"the relay of host {tag} ended (exit code {code}; its log: {log_file})"
+
+
+def _private_log(path: str):
+    """The relay's log: this user's only (0600 whatever the umask), no link followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def _parent(msg: dict) -> str | None:
