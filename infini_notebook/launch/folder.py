@@ -105,6 +105,9 @@ def spawn_watchdog(profile_dir: str, since: float) -> subprocess.Popen:
                 repr(since),
             ],
             start_new_session=True,  # a Ctrl-C meant for the kernel must not end it
+            # -m imports from the working folder first: the session's (0700), not the
+            # kernel's, which others may write (a notebook in /tmp)
+            cwd=os.path.dirname(profile_dir),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

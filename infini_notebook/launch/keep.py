@@ -84,6 +84,7 @@ class Keeper:
                 [sys.executable, "-m", "infini_notebook.launch.store_host", address, str(port),
                  f"{guard.pid}:{guard.create_time()}"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+                cwd=self.folder.path,  # -m imports from the working folder: ours, 0700
                 start_new_session=True,  # Jupyter's restart signals the kernel's group
             )  # fmt: skip
         line = proc.stdout.readline().decode().strip()  # once it listens (or failed)
