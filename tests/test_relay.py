@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from test_faults import mark, press_stop_when, whole_message
 from test_output import (
     test_tqdm_auto_bars_are_forwarded_widgets_labeled_on_their_line as check_tqdm_widgets,
 )
+from test_output import widget_states
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -107,6 +109,37 @@ def test_tqdm_widgets_reach_the_notebook_labeled(relayed):
     check_tqdm_widgets(relayed, 4)  # test_output's own checks, on a relayed session
 
 
+SLIDERS = """%%dist
+import ipywidgets, threading, time
+slider = ipywidgets.IntSlider(value=0)
+display(slider)
+def bump():
+    for i in range(1, 6):
+        time.sleep(0.1)
+        slider.value = i
+threading.Thread(target=bump).start()"""
+
+
+def test_a_widget_a_thread_updates_after_its_cell_ended_reaches_the_notebook(relayed):
+    """Found by a reviewer: the updates came after the cell's records were gone and were
+    dropped with them; ipyparallel hands a rank's comm messages on whatever the cell."""
+    view = "application/vnd.jupyter.widget-view+json"
+    cell = relayed.run(SLIDERS)
+    models = [o["data"][view]["model_id"] for o in cell.outputs if view in o.get("data", {})]
+    assert len(models) == 4, cell.outputs
+    state = relayed.client.widget_state  # the sliders' boxes: each holds a label and a slider
+    sliders = [
+        child.removeprefix("IPY_MODEL_")
+        for m in models
+        for child in state[m].get("children", [])
+        if state.get(child.removeprefix("IPY_MODEL_"), {}).get("_model_name") == "IntSliderModel"
+    ] or models
+    states = widget_states(
+        relayed, lambda got: all(got.get(m, {}).get("value") == 5 for m in sliders)
+    )
+    assert all(states[m]["value"] == 5 for m in sliders)
+
+
 def test_stop_ends_the_cell_and_the_next_one_runs(relayed, tmp_path):
     pressed = press_stop_when(relayed, tmp_path, range(4))
     cell = relayed.run(
@@ -136,18 +169,49 @@ def test_a_dead_rank_is_named_and_a_replacement_is_reached_through_the_relay(rel
     assert dead_relay_free(relayed)
 
 
+def test_stop_just_after_a_rank_died_does_not_call_it_stuck(relayed, tmp_path):
+    """Found by a reviewer: the dead rank still owed its relayed reply, and Stop called it
+    stuck in native code until the collective timeout."""
+    pressed = press_stop_when(relayed, tmp_path, range(3), then=0.5)
+    cell = relayed.run(
+        f"%%dist\nimport os, time\nif rank == 3:\n    os._exit(3)\n{mark(tmp_path)}\n"
+        "time.sleep(30)",
+        allow_error=True,
+        timeout=90,
+    )
+    assert pressed
+    said = whole_message(cell)
+    assert "native code" not in said and "stuck" not in said, said
+    relayed.run("%dist_restart --ranks 3", timeout=240)
+    out = text_of(relayed.run("%%dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"))
+    assert all(f"[rank {r}] 4.0" in out for r in range(4)), out
+
+
 def dead_relay_free(kernel) -> bool:
     """No rank is counted busy with a relayed cell once every cell ended."""
     return text_of(kernel.run("print(dist_session.engines.busy_relayed())")).strip() == "set()"
 
 
-def test_a_relay_that_died_is_named_and_a_hard_restart_brings_one_back(relayed):
+def test_a_relay_that_dies_mid_cell_is_named_and_a_hard_restart_brings_one_back(relayed, tmp_path):
+    """The cell running when the relay ends names the relay (the ranks' engines still
+    run: not 'rank N died'), and so does the next; --hard brings a new relay."""
     pid = int(text_of(relayed.run("print(dist_session.engines.relay.pids()[0])")).strip())
-    os.kill(pid, signal.SIGKILL)  # the relay: a process this session started
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+
+    def kill_when_running():
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{tmp_path}/at{r}") for r in range(4)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)  # the relay: a process this session started
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    cell = relayed.run(f"%%dist\nimport time\n{mark(tmp_path)}\ntime.sleep(3)", allow_error=True)
+    killer.join(10)
+    said = whole_message(cell)
+    assert "relay of host local ended" in said and "died" not in said, said
+    assert "%dist_restart --hard" in said, said
     for _ in range(2):  # named again, not taken for a rank still running the first
         said = whole_message(relayed.run("%%dist\nprint(rank)", allow_error=True, timeout=90))
         assert "relay of host local ended" in said and "%dist_restart --hard" in said, said

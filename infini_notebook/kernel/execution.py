@@ -210,6 +210,9 @@ def cell_error(s, result: CellResult, targets: list[int], watch: CellWatch) -> D
     """The error a failed cell raises, root cause first: the ranks that died (named with
     their exit codes) or raised, then the waits released because of them, then what to do.
     Released groups are rebuilt here (a soft restart), so the next cell just works."""
+    lost = relay_lost(s, result)
+    if lost is not None:
+        return lost
     died = supervision.dead_ranks(s, sorted(result.errors))
     for r, e in result.errors.items():
         if r not in died and e.startswith("EngineError"):
@@ -250,6 +253,25 @@ def cell_error(s, result: CellResult, targets: list[int], watch: CellWatch) -> D
             fix = recovery.HARD_FIX if soft_restart_fails(s.plan, os.environ) else "%dist_restart"
             s.book.groups_broken("a collective timed out", fix)
     return DistCellError("; ".join(parts) + advice, result.report, sorted(result.errors))
+
+
+def relay_lost(s, result: CellResult) -> DistCellError | None:
+    """With --relay, a relay that ended took its ranks' parts of the cell with it: their
+    engines still run, and the relay is what to name (not ranks that died), None else."""
+    relay = s.engines.relay
+    if relay is None or relay.alive():
+        return None
+    lost = sorted(r for r, e in result.errors.items() if e.startswith("EngineError"))
+    if not lost:
+        return None
+    s.book.cell_ended(result.ranks, failed=dict(result.errors))
+    return DistCellError(
+        f"{relay.gone_text()}: {rank_label(lost)[1:-1]} lost {'its' if len(lost) == 1 else 'their'}"
+        f" part of the cell (the engines still run; what they printed after it is lost). "
+        f"{recovery.HARD_RESTART}",
+        result.report,
+        sorted(result.errors),
+    )
 
 
 def _waited_for(watch: CellWatch, rank: int) -> str:

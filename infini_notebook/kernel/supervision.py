@@ -39,6 +39,8 @@ def stuck_ranks(s, settle: float = 0.0, ranks=None) -> list[int]:
     while True:
         status = s.engines.client.queue_status()
         relayed = s.engines.busy_relayed()  # --relay: cells the controller never saw
+        if relayed:  # a rank that died owes its reply for ever: dead, not stuck
+            relayed -= set(dead_ranks(s, sorted(relayed)))
         busy = [r for r in ranks if status.get(eid(r), {}).get("queue", 0) > 0 or r in relayed]
         if not busy or time.monotonic() >= deadline:
             return busy

@@ -100,15 +100,26 @@ class Client:
 
     def dispatch_iopub(self, msg: dict) -> None:
         """A rank's message handed to ipyparallel's client on its IO thread, as if it came
-        on iopub (``Client._dispatch_iopub``, private: its comm_open makes the proxy comm
-        that lets a rank's widget talk to the notebook)."""
+        on iopub, and handled before this returns (``Client._dispatch_iopub``, private:
+        its comm_open makes the proxy comm that lets a rank's widget talk to the notebook)."""
         import zmq
 
         client = self._client
         internals.require(client, ("_dispatch_iopub", "_io_loop"), "ipyparallel", "Client: iopub")
         # as frames off its iopub socket: the handler's decorator (unpack_message) unpacks them
         raw = client.session.serialize(msg) + list(msg.get("buffers") or [])
-        client._io_loop.add_callback(client._dispatch_iopub, [zmq.Frame(f) for f in raw])
+        handled = threading.Event()
+
+        def dispatch():
+            try:
+                client._dispatch_iopub([zmq.Frame(f) for f in raw])
+            finally:
+                handled.set()
+
+        client._io_loop.add_callback(dispatch)
+        # waited for: the notebook must have the widget (comm_open) before the rank's
+        # display of it, which the caller shows next; ipyparallel keeps that order itself
+        handled.wait(IO_THREAD_WAIT_S)
 
     # ----- the loop ---------------------------------------------------------------------------
     def in_loop(self, coro, timeout: float = 120):
@@ -216,6 +227,17 @@ class Client:
         ``wait_for_engines`` hooks the same private list)."""
         if internals.usable(self._client, _REGISTRATION, "ipyparallel", "engines registering"):
             self._client._registration_callbacks.append(lambda _event: self._registrations.set())
+
+    def on_unregister(self, callback) -> None:
+        """``callback(engine_id)`` on ipyparallel's IO thread when an engine unregisters
+        (it died or was stopped: the controller missed its heartbeats)."""
+        if internals.usable(self._client, _REGISTRATION, "ipyparallel", "engines leaving"):
+
+            def call(event: dict) -> None:
+                if event.get("event") == "unregister" and "id" in event:
+                    callback(int(event["id"]))
+
+            self._client._registration_callbacks.append(call)
 
     def wait_for_registration(self, timeout: float) -> None:
         """Until an engine registers or unregisters, or ``timeout`` seconds. The caller

@@ -123,6 +123,7 @@ class Engines:
 
         mark = {MARK: self.folder.profile_dir}  # a process of the session's: see watchdog.py
         self.relay = RelayLink(self.folder.path, signing.new_key(), self.client, mark)
+        self.client.on_unregister(self.relay.engine_gone)  # a dead rank's part fails at once
         self.relay.add_host("local", list(range(self.plan.world_size)))
 
     def _write_map(self) -> None:

@@ -345,12 +345,16 @@ class RelayLink:
         if kind == "missing":
             self._fail(item[2], ranks, "its engine is not connected to its host's relay")
             return
-        futures = self._cells.get(item[2] if kind != "msg" else _parent(item[2]), {})
+        pid = item[2] if kind != "msg" else _parent(item[2])
+        msg_type = item[2]["header"].get("msg_type", "") if kind == "msg" else kind
+        if msg_type.startswith("comm_"):  # a widget's, also from a thread after its cell
+            self._comm(item[2])
+        futures = self._cells.get(pid, {})
         for r in ranks:
             f = futures.get(r)
             if f is None:  # a cell forgotten (a stuck rank ending late): no longer busy
-                if kind in ("ok", "msg"):
-                    self._answered(r, None)
+                if msg_type in ("ok", "execute_reply"):
+                    self._answered(r, pid)
                 continue
             if kind == "ok":
                 self._reply(r, f, {"status": "ok", "execution_count": item[3]})
@@ -374,17 +378,27 @@ class RelayLink:
         if kind == "execute_reply":
             self._reply(rank, f, content)
             return
-        if kind.startswith("comm_"):  # a widget: ipyparallel's client proxies it
-            msg["buffers"] = [base64.b64decode(b) for b in msg.get("buffers", [])]
-            msg["msg_type"] = kind
-            self.client.dispatch_iopub(msg)
-        elif kind == "display_data":
+        if kind == "display_data":
             md["outputs"].append(content)
         elif kind == "execute_result":
             md["execute_result"] = content
         elif kind == "error":
             md["error"] = self.client.unwrap_exception(content)
         self._publish(f, msg)
+
+    def _comm(self, msg: dict) -> None:
+        """A rank's widget message, handed to ipyparallel's client, which proxies it as
+        for its own requests (``Client._dispatch_iopub``'s comm handling)."""
+        whole = dict(msg, msg_type=msg["header"]["msg_type"])
+        whole["buffers"] = [base64.b64decode(b) for b in msg.get("buffers", [])]
+        self.client.dispatch_iopub(whole)
+
+    def engine_gone(self, engine_id: int) -> None:
+        """ipyparallel saw the engine unregister: its rank's relayed parts fail at once,
+        as ipyparallel fails its own work (``Client._handle_stranded_msgs``)."""
+        ranks = [r for r, e in self._eids.items() if e == engine_id]
+        for msg_id, futures in list(self._cells.items()):
+            self._fail(msg_id, [r for r in ranks if r in futures], "its engine stopped")
 
     def _reply(self, rank: int, f: RankFuture, content: dict) -> None:
         md = f.output.metadata
@@ -435,6 +449,11 @@ class RelayLink:
                     self._lock.notify_all()
                 if not self._stopping:
                     self._fail_host(tag, self._gone_text(tag))
+
+    def gone_text(self) -> str:
+        """Which relays ended, for an error."""
+        dead = [t for t, h in self._hosts.items() if h["proc"].poll() is not None]
+        return "; ".join(self._gone_text(t) for t in dead) or "no relay ended"
 
     def _dead_hosts(self, ranks: list[int]) -> list[str]:
         tags = {self._host_of.get(r) for r in ranks}
