@@ -383,3 +383,12 @@ def test_the_kernel_drops_forged_and_replayed_batches():
     link._batch("h", signing.sign(link.key, f"{BATCH}/h", batch))  # replayed
     link._batch("nobody", signing.sign(link.key, f"{BATCH}/nobody", batch))  # no such relay
     assert applied == [["idle", [0], "c"]]
+
+
+def test_a_ranks_record_has_ipyparallels_metadata_keys():
+    """Cell and collect read a relayed rank's record as ipyparallel's Metadata."""
+    from ipyparallel.client.client import Metadata
+
+    from infini_notebook.launch.relay_cells import new_metadata
+
+    assert set(new_metadata("m", 3)) == set(Metadata())

@@ -17,7 +17,6 @@ as zmq sockets are not shared between threads."""
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import threading
 
 from ..core import signing
 from ..engine import host_relay
+from .relay_cells import RankFuture, RelayedCell, engine_error
 
 log = logging.getLogger("infini_notebook")
 
@@ -42,38 +42,6 @@ def relay_addresses(place: str) -> tuple[str, str]:
 
 class RelayGone(RuntimeError):
     """A host's relay ended: its ranks' cells cannot be sent or answered."""
-
-
-class RankFuture(concurrent.futures.Future):
-    """One rank's part of a relayed cell, shaped as ipyparallel's MessageFuture: resolves
-    on the reply; ``output`` resolves on status idle and holds what the rank published in
-    ``output.metadata`` (ipyparallel's ``Metadata`` keys)."""
-
-    def __init__(self, msg_id: str, engine_id: int):
-        super().__init__()
-        self.msg_id = msg_id
-        self.iopub_callbacks: list = []
-        self.output: concurrent.futures.Future = concurrent.futures.Future()
-        self.output.metadata = new_metadata(msg_id, engine_id)
-
-
-def new_metadata(msg_id: str, engine_id: int) -> dict:
-    """A rank's record of a cell, with the keys of ipyparallel's ``client.Metadata``."""
-    return {
-        "msg_id": msg_id, "submitted": None, "started": None, "completed": None,
-        "received": None, "engine_uuid": None, "engine_id": engine_id, "follow": None,
-        "after": None, "status": None, "execute_input": None, "execute_result": None,
-        "error": None, "stdout": "", "stderr": "", "outputs": [], "data": {}, "label": None,
-    }  # fmt: skip
-
-
-class RelayedCell:
-    """What ``Cell`` reads of ipyparallel's AsyncResult: one future per rank."""
-
-    def __init__(self, msg_id: str, frames: list[bytes], futures: dict[int, RankFuture]):
-        self.msg_id, self.frames, self.futures = msg_id, frames, futures
-        self._children = list(futures.values())
-        self.msg_ids: list[str] = []  # nothing of ipyparallel's to forget
 
 
 class RelayLink:
@@ -431,7 +399,7 @@ class RelayLink:
         for r in ranks:
             f = futures.get(r)
             if f is not None and not f.done():
-                f.set_result(_engine_error(f"rank {r}: {why}"))
+                f.set_result(engine_error(f"rank {r}: {why}"))
             if f is not None and not f.output.done():
                 f.output.set_result(None)
             self._answered(r, None)
@@ -476,10 +444,3 @@ def _private_log(path: str):
 
 def _parent(msg: dict) -> str | None:
     return (msg.get("parent_header") or {}).get("msg_id")
-
-
-def _engine_error(text: str):
-    """ipyparallel's answer for a task whose engine went away (``error.EngineError``)."""
-    from ipyparallel import error
-
-    return error.EngineError(text)

@@ -1,0 +1,46 @@
+"""A relayed cell as ``kernel/cell.Cell`` reads ipyparallel's (launch/relay.py fills it):
+one future per rank, shaped as ipyparallel 9.2's ``MessageFuture`` (``iopub_callbacks``,
+an ``output`` future holding its ``Metadata`` keys), and the AsyncResult's ``_children``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+
+class RankFuture(concurrent.futures.Future):
+    """One rank's part of a relayed cell, shaped as ipyparallel's MessageFuture: resolves
+    on the reply; ``output`` resolves on status idle and holds what the rank published in
+    ``output.metadata`` (ipyparallel's ``Metadata`` keys)."""
+
+    def __init__(self, msg_id: str, engine_id: int):
+        super().__init__()
+        self.msg_id = msg_id
+        self.iopub_callbacks: list = []
+        self.output: concurrent.futures.Future = concurrent.futures.Future()
+        self.output.metadata = new_metadata(msg_id, engine_id)
+
+
+def new_metadata(msg_id: str, engine_id: int) -> dict:
+    """A rank's record of a cell, with the keys of ipyparallel's ``client.Metadata``."""
+    return {
+        "msg_id": msg_id, "submitted": None, "started": None, "completed": None,
+        "received": None, "engine_uuid": None, "engine_id": engine_id, "follow": None,
+        "after": None, "status": None, "execute_input": None, "execute_result": None,
+        "error": None, "stdout": "", "stderr": "", "outputs": [], "data": {}, "label": None,
+    }  # fmt: skip
+
+
+class RelayedCell:
+    """What ``Cell`` reads of ipyparallel's AsyncResult: one future per rank."""
+
+    def __init__(self, msg_id: str, frames: list[bytes], futures: dict[int, RankFuture]):
+        self.msg_id, self.frames, self.futures = msg_id, frames, futures
+        self._children = list(futures.values())
+        self.msg_ids: list[str] = []  # nothing of ipyparallel's to forget
+
+
+def engine_error(text: str):
+    """ipyparallel's answer for a task whose engine went away (``error.EngineError``)."""
+    from ipyparallel import error
+
+    return error.EngineError(text)
