@@ -146,3 +146,11 @@ def test_stop_removes_only_a_file_store_it_created(tmp_path):
     session = new_session(nprocs=1, init_method=f"file://{mine}").start()
     session.stop()
     assert os.path.exists(mine)
+
+
+def test_the_advice_after_ranks_died_reads_right_for_one_and_for_several():
+    from infini_notebook.kernel.recovery import replace_advice
+
+    assert replace_advice({2: "x"}).startswith("%dist_restart --ranks 2 starts a new rank 2;")
+    several = replace_advice({0: "x", 2: "y", 3: "z"})
+    assert several.startswith("%dist_restart --ranks 0,2,3 starts new ranks 0,2-3;"), several

@@ -119,7 +119,8 @@ def replace_advice(dead: dict[int, str]) -> str:
     ranks = ",".join(map(str, sorted(dead)))
     which = rank_label(sorted(dead))[1:-1]
     return (
-        f"%dist_restart --ranks {ranks} starts a new {which}; the others keep their variables "
+        f"%dist_restart --ranks {ranks} starts {'a new' if len(dead) == 1 else 'new'} {which}; "
+        "the others keep their variables "
         f"(%dist_restart --hard restarts all)."
     )
 
