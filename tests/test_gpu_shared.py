@@ -270,3 +270,33 @@ def test_a_rank_whose_gpu_context_a_device_side_assert_broke_is_replaced_alone(f
     on = text_of(four.run("%%dist\nkeep += 1\nprint('ON', keep.sum().item(), keep.device)"))
     values = {r: v.split()[0] for r, v in said(on, "ON").items()}
     assert values == {0: "4.0", 1: "16.0", 2: "12.0", 3: "16.0"}, on  # it goes on from there
+
+
+def test_relayed_cells_reach_nccl_ranks_sharing_a_gpu_and_a_release_still_works(kernel):
+    """Issue 54's relay (``--relay``) on GPU ranks: the same NCCL answers as through
+    ipyparallel, every rank's line labeled, and a wait on a failed rank released with
+    ``RankReleased`` through the relayed cell. Last in the module: it starts its own session."""
+    use_session(kernel, FLAGS + " --relay", timeout=300)
+    out = text_of(kernel.run(REDUCE, timeout=180))
+    facts = {r: ast.literal_eval(v) for r, v in said(out, "FACTS").items()}
+    assert [facts[r]["world"] for r in range(4)] == [10.0] * 4, out
+    assert [facts[r]["tp"] for r in range(4)] == [3.0, 3.0, 7.0, 7.0], out
+    batches = "print(dist_session.engines.relay.batches)"  # the relay carried the cell
+    assert int(text_of(kernel.run(batches))) > 0
+    kernel.run("%%dist\nkeep = rank + 10")
+    code = (
+        "%%dist\nx = torch.ones(1, device=device)\nif rank == 0:\n    raise RuntimeError('bails')\n"
+    )
+    cell = kernel.run(code + WAITS["item"], allow_error=True, timeout=200)
+    err = "\n".join("\n".join(o.traceback) for o in cell.outputs if o.output_type == "error")
+    failed = ast.literal_eval(
+        text_of(kernel.run("print(dict(sorted(dist_session.last.errors.items())))")).strip()
+    )
+    print("relay release:", err, failed, sep="\n")
+    assert "bails" in err and "released" in err, err
+    assert sorted(failed) == [0, 1, 2, 3], failed
+    if ON_GPU:
+        assert all("RankReleased" in failed[r] for r in (1, 2, 3)), failed
+    again = "%%dist\ny = torch.ones(1, device=device)\ndist.all_reduce(y)\n"
+    after = text_of(kernel.run(again + "print('AFTER', y.item(), keep)", timeout=180))
+    assert said(after, "AFTER") == {r: f"4.0 {10 + r}" for r in range(4)}, after
