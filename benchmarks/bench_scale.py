@@ -94,10 +94,9 @@ def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str, link=No
     env = dict(os.environ, SIM_MAC_KEY=mac_key)
     relays = {}
     for i, k in enumerate(per):
-        if k and link is not None:
-            place = os.path.join(os.path.dirname(path), f"h{i}")
-            os.makedirs(place, mode=0o700)
-            relays[i] = ["--relay", *link.add_host(f"h{i}", [], place)]
+        if k and link is not None:  # started as on another host: its own folder, stdin
+            link.add_hosts([(f"h{i}", [], lambda args: [sys.executable, *args])])
+            relays[i] = ["--relay", *link.addresses(tag=f"h{i}")]
     return [
         subprocess.Popen(
             [

@@ -185,6 +185,22 @@ def session_folders(hosts: TwoHosts, addr: str) -> list[str]:
     return hosts.ssh(addr, "ls -d /tmp/infini-notebook-* 2>/dev/null").split()
 
 
+def relay_folders(hosts: TwoHosts, addr: str) -> list[str]:
+    return hosts.ssh(addr, "ls -d /tmp/infini-relay-* 2>/dev/null").split()
+
+
+def completed_by_controller(k) -> list[int]:
+    """How many tasks the controller has seen each rank's engine complete."""
+    return ast.literal_eval(
+        text_of(
+            k.run(
+                "_q = dist_session.engines.client.queue_status()\n"
+                "print([_q[dist_session.engines.eid(r)]['completed'] for r in range(4)])"
+            )
+        )
+    )
+
+
 def test_two_host_ssh_session(hosts):
     a, b = hosts.addrs
     # ssh does not carry the environment: remote engines import the same tree as the kernel
@@ -198,7 +214,7 @@ def test_two_host_ssh_session(hosts):
     with fresh_kernel(timeout=240) as k:
         k.run(KNOWN_FOLDER.format(path=known))
         start = k.run(
-            f"%dist_start --launcher ssh --hosts {a}:2,{b}:2 --tp 2 --timeout 60 "
+            f"%dist_start --launcher ssh --hosts {a}:2,{b}:2 --tp 2 --timeout 60 --relay "
             f"--bind-address {SUBNET}.1 --env GLOO_SOCKET_IFNAME={IFACE} {pythonpath}"
             f"--ssh-args '{hosts.ssh_args}'",
             timeout=240,
@@ -208,6 +224,9 @@ def test_two_host_ssh_session(hosts):
         assert hosts.ssh(a, f"ls {marker} 2>&1").strip().endswith("No such file or directory")
         # Each host's engines had a folder of their own, removed once their ranks were set up.
         assert session_folders(hosts, a) == [known] and session_folders(hosts, b) == []
+        # issue 54: a relay on each host (--relay), its sockets in a folder of its own there
+        assert len(relay_folders(hosts, a)) == 1 and len(relay_folders(hosts, b)) == 1
+        before = completed_by_controller(k)
         out = text_of(
             k.run(
                 "%%dist\nimport os\nx = torch.tensor([float(rank)]); dist.all_reduce(x)\n"
@@ -220,6 +239,7 @@ def test_two_host_ssh_session(hosts):
         assert "[rank 1] 1 0 2 6.0 1.0" in out
         assert "[rank 2] 0 1 2 6.0 5.0" in out
         assert "[rank 3] 1 1 2 6.0 5.0" in out
+        assert completed_by_controller(k) == before, out  # the hosts' relays carried the cell
         ui = Frontend(k, ["carol"])  # input() on a rank of the other host: over the store
         assert ui.run("%%dist --ranks 3\nprint('got', input('who? '))") == "ok"
         assert ui.prompts() == ["[rank 3] who?"] and "[rank 3] got carol" in ui.shown["stdout"]
@@ -280,6 +300,7 @@ def test_two_host_ssh_session(hosts):
             time.sleep(0.5)
         assert not any(leftovers.values()), leftovers
     assert session_folders(hosts, a) == [known] and session_folders(hosts, b) == []
+    assert relay_folders(hosts, a) == relay_folders(hosts, b) == []  # each relay removed its
     assert hosts.ssh(a, f"ls {marker} 2>&1").strip().endswith("No such file or directory")
     hosts.ssh(a, f"rm -rf {known}")
 

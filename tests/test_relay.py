@@ -353,15 +353,17 @@ def test_rank_messages_unsigned_replayed_or_malformed_are_dropped_and_the_relay_
     assert len(sent) == 1 and b'"idle"' in sent[0] and b"display_data" not in sent[0]
 
 
-def test_relay_is_refused_where_it_cannot_work_yet():
+def test_relay_is_refused_where_it_cannot_work_yet_and_taken_over_ssh():
     from infini_notebook.core.errors import DistUsageError
     from infini_notebook.launch.machine import plan_from_options
 
     with pytest.raises(DistUsageError, match="--relay does not work with --keep"):
         plan_from_options(nprocs=2, relay=True, name="r", keep="1m")
-    with pytest.raises(DistUsageError, match="--relay runs its relay on this machine"):
-        plan_from_options(nprocs=2, relay=True, launcher="ssh", hosts="localhost:2")
+    with pytest.raises(DistUsageError, match="the hosts of the mpi launcher are not known"):
+        plan_from_options(nprocs=2, relay=True, launcher="mpi", hosts="localhost:2")
     assert plan_from_options(nprocs=2, relay=True).relay is True
+    ssh = plan_from_options(relay=True, launcher="ssh", hosts="localhost:2")  # a relay per host
+    assert ssh.relay is True
 
 
 def test_the_kernel_drops_forged_and_replayed_batches():

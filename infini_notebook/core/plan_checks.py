@@ -105,15 +105,18 @@ def keep_fields(o: StartOptions, plan: SessionPlan) -> dict:
 
 
 def relay_field(o: StartOptions, plan: SessionPlan) -> bool:
-    """--relay, checked: today the relay runs on this machine, and a kept session's
+    """--relay, checked: a relay runs on each host the kernel starts ranks on itself (this
+    machine, or over ssh), not where mpiexec or Slurm place them; a kept session's
     detached cells keep their output in the controller's records, which a relayed cell
     never reaches (docs/scale.md, what is left)."""
     if not o.relay:
         return False
-    if plan.placement.launcher != "local":
+    if plan.placement.launcher not in ("local", "ssh"):
         raise DistUsageError(
-            f"--relay runs its relay on this machine: ranks started by the "
-            f"{plan.placement.launcher} launcher are not reached yet. Leave --relay out."
+            f"--relay starts a relay on each host of ranks, on this machine or over ssh: "
+            f"the hosts of the {plan.placement.launcher} launcher are not known to the kernel. "
+            "Leave --relay out, or start the ranks with --launcher ssh --hosts on the "
+            "allocation's hosts."
         )
     if plan.keep_s:
         raise DistUsageError(

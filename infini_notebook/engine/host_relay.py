@@ -6,9 +6,15 @@ client. So the kernel's cost of a cell grows with hosts, and per rank only by wh
 ranks said.
 
     python -m infini_notebook.engine.host_relay UP REQUESTS REPLIES TAG KERNEL_PID  (keys on stdin)
+    python -m infini_notebook.engine.host_relay UP - - TAG -   (another host: started over ssh)
 
 UP is the kernel's ROUTER (launch/relay.py); REQUESTS (a ROUTER, the ranks' DEALERs connect
-with their tag ``r<rank>``) and REPLIES (a PULL, the ranks' PUSHes) are bound here. Every
+with their tag ``r<rank>``) and REPLIES (a PULL, the ranks' PUSHes) are bound here. On the
+kernel's host the relay ends when its parent is no longer the kernel. On another host (``-``)
+it makes a 0700 folder of its own for those two sockets, says where they are in its first
+batch, reaches the kernel over TCP with CurveZMQ (the server's public key comes with the keys,
+as ipyparallel's engines get the controller's), and ends when its stdin closes: the ssh
+connection that started it, the kernel's lifeline, is gone. Every
 message is checked: a cell by the session's key (``core/signing``, numbered, so a replay is
 dropped), a rank's message by the ranks' Jupyter HMAC. What is not signed, or is no message,
 is dropped with a line in the log. Sockets live in the session's 0700 folder: the signatures
@@ -27,6 +33,7 @@ import hmac
 import json
 import logging
 import os
+import shutil
 import sys
 
 from ..core import signing
@@ -156,19 +163,30 @@ def verify_cell(key: str, host: str, frames: list[bytes]) -> dict | None:
 class Relay:
     """The relay's sockets and its two checks; ``run`` serves until the kernel says stop."""
 
-    def __init__(self, up: str, requests: str, replies: str, tag: str, keys: dict, parent: int = 0):
-        """``parent``: the kernel's pid (the relay ends when its parent is no longer it)."""
+    def __init__(
+        self, up: str, requests: str, replies: str, tag: str, keys: dict, parent: int | None = 0
+    ):
+        """``parent``: the kernel's pid (the relay ends when its parent is no longer it); None
+        on another host, where the relay ends when its stdin closes. ``keys["curve"]``: the
+        kernel's CurveZMQ public key, when UP is reached over the network."""
         import zmq
         from jupyter_client.session import Session
 
         self.zmq = zmq
         self.key, self.tag = keys["signing"], tag
-        # The ranks' messages are signed with the engines' Jupyter key (ipyparallel's)
-        self.session = Session(key=keys["jupyter"].encode(), signature_scheme=keys["scheme"])
+        # The ranks' messages are signed with the engines' Jupyter key (ipyparallel's); with
+        # CurveZMQ (ranks on other hosts) ipyparallel leaves the key empty and signs nothing:
+        # the ranks then reach the relay only through its 0700 folder
+        self.session = None
+        if keys["jupyter"]:
+            self.session = Session(key=keys["jupyter"].encode(), signature_scheme=keys["scheme"])
         ctx = zmq.Context.instance()
         self.up = ctx.socket(zmq.DEALER)
         self.up.setsockopt(zmq.IDENTITY, tag.encode())
         self.up.setsockopt(zmq.LINGER, 1000)
+        if keys.get("curve"):  # encrypted and the kernel authenticated, as ipyparallel's
+            self.up.curve_serverkey = keys["curve"].encode()
+            self.up.curve_publickey, self.up.curve_secretkey = zmq.curve_keypair()
         self.ranks = ctx.socket(zmq.ROUTER)
         self.ranks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not here: said, not lost
         # No ROUTER_HANDOVER: a second connection with a rank's tag does not take the rank's
@@ -178,7 +196,8 @@ class Relay:
         self.ranks.bind(requests)
         self.inbox.bind(replies)
         self.up.connect(up)
-        self.parent = parent or os.getppid()
+        self.addresses = [requests, replies]  # said to the kernel in the first batch
+        self.parent = os.getppid() if parent == 0 else parent
         self.cells_seen = 0  # the number of the last cell taken: a replayed one is dropped
         self.seen: set[bytes] = set()  # the ranks' signatures seen (Session's digest_history)
         self.seen_order: collections.deque = collections.deque()
@@ -189,11 +208,16 @@ class Relay:
         poller = zmq.Poller()
         for sock in (self.up, self.ranks, self.inbox):
             poller.register(sock, zmq.POLLIN)
-        self._send([["up", os.getpid()]])
+        lifeline = sys.stdin.fileno() if self.parent is None else None
+        if lifeline is not None:
+            poller.register(lifeline, zmq.POLLIN)
+        self._send([["up", os.getpid(), *self.addresses]])
         parent = self.parent
         while True:
             ready = dict(poller.poll(1000))
-            if os.getppid() != parent:  # the kernel ended: so does its relay
+            if parent is not None and os.getppid() != parent:  # the kernel ended: so does its relay
+                return
+            if lifeline in ready and not os.read(lifeline, 4096):  # ssh's connection closed
                 return
             if self.up in ready and not self._from_kernel():
                 return
@@ -265,14 +289,8 @@ class Relay:
         try:
             start = frames.index(DELIM) + 1
             sig, header, parent, metadata, content = frames[start : start + 5]
-            if not hmac.compare_digest(sig, self.session.sign([header, parent, metadata, content])):
-                raise ValueError("bad signature")
-            if sig in self.seen:
-                raise ValueError("replayed")
-            self.seen.add(sig)
-            self.seen_order.append(sig)
-            if len(self.seen_order) > SEEN_KEPT:
-                self.seen.discard(self.seen_order.popleft())
+            if self.session is not None:  # else ipyparallel signs nothing (CurveZMQ)
+                self._check_signature(sig, [header, parent, metadata, content])
             msg = {
                 "header": _unpack(header),
                 "parent_header": _unpack(parent),
@@ -288,6 +306,16 @@ class Relay:
             return None
         return rank, msg
 
+    def _check_signature(self, sig: bytes, parts: list[bytes]) -> None:
+        if not hmac.compare_digest(sig, self.session.sign(parts)):
+            raise ValueError("bad signature")
+        if sig in self.seen:
+            raise ValueError("replayed")
+        self.seen.add(sig)
+        self.seen_order.append(sig)
+        if len(self.seen_order) > SEEN_KEPT:
+            self.seen.discard(self.seen_order.popleft())
+
     def _send(self, items: list[list]) -> None:
         self.sent += 1
         body = _dumps({"seq": self.sent, "items": items})
@@ -301,13 +329,35 @@ class Relay:
 log = logging.getLogger("infini_notebook.relay")
 
 
+RELAY_FOLDER_PREFIX = "infini-relay-"  # a relay's folder on another host
+
+
 def main(argv: list[str]) -> None:
     up, requests, replies, tag, parent = argv
-    if os.getppid() != int(parent):  # the kernel ended while this process started
+    if parent != "-" and os.getppid() != int(parent):  # the kernel ended while this started
         return
     keys = json.loads(sys.stdin.readline())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s relay: %(message)s")
-    Relay(up, requests, replies, tag, keys, int(parent)).run()
+    if parent != "-":
+        Relay(up, requests, replies, tag, keys, int(parent)).run()
+        return
+    folder = own_folder()
+    try:
+        requests, replies = (f"ipc://{os.path.join(folder, n)}" for n in ("rq.sock", "rp.sock"))
+        Relay(up, requests, replies, tag, keys, None).run()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def own_folder() -> str:
+    """A new 0700 folder for the sockets, refused where another user could swap it (a
+    temporary folder others may write without the sticky bit: see remote_start)."""
+    import tempfile
+
+    from .remote_start import refuse_shared_tmp
+
+    refuse_shared_tmp(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=RELAY_FOLDER_PREFIX)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
                 for r in sorted(others)
             }
             for r in ranks:
-                cfg = startup.engine_config(s.plan, s.rendezvous, s.folder, r)
+                cfg = startup.engine_config(s.plan, s.rendezvous, s.folder, r, s.engines.relay)
                 cfg["bind_device"] = bind
                 pending[r] = s.engines.view(r).apply_async(bootstrap.bootstrap, cfg)
         infos = s.engines.client.gather(pending, what="replace", timeout=s.plan.timeout + 60)

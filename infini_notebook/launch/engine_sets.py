@@ -119,12 +119,32 @@ class Engines:
             self.relay = None
         if not self.plan.relay or self.relay is not None:
             return
+        import secrets
+
         from ..core import signing
+        from . import launchers, ssh
 
         mark = {MARK: self.folder.profile_dir}  # a process of the session's: see watchdog.py
-        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client, mark)
+        place = self.plan.placement
+        network = None  # the relay on this machine: its socket in the session's folder
+        if place.launcher == "ssh":  # one per host, reaching the kernel where the engines
+            # reach the controller (plan_checks.reachable: never 0.0.0.0)
+            network = (self.plan.bind_address, self.plan.controller_address)
+        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client, mark, network)
         self.client.on_unregister(self.relay.engine_gone)  # a dead rank's part fails at once
-        self.relay.add_host("local", list(range(self.plan.world_size)))
+        if network is None:
+            self.relay.add_hosts([("local", list(range(self.plan.world_size)), None)])
+            return
+        places = place.rank_places(self.plan.world_size)
+        env = launchers.engine_env(self.plan)
+        self.relay.add_hosts([
+            (
+                f"h{i}-{secrets.token_hex(4)}",  # unguessable: its name on the kernel's socket
+                [r for r, p in enumerate(places) if p[0] == i],
+                ssh.relay_command(host, place.ssh_args, place.remote_python, env),
+            )
+            for i, (host, _) in enumerate(place.hosts)
+        ])  # fmt: skip
 
     def _write_map(self) -> None:
         """The rank -> engine map in the session's folder: what a kernel attaching a kept

@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from typing import Any
 
 from ..core import signing
 from ..engine import host_relay
@@ -32,6 +34,7 @@ log = logging.getLogger("infini_notebook")
 
 UP, REQUESTS, REPLIES = "relay-up.sock", "relay-rq.sock", "relay-rp.sock"
 HERE_WAIT_S = 30.0  # a cell waits this long for its ranks to reach their relay
+UP_WAIT_S = 60.0  # relays started (over ssh) have this long to say they are up
 
 
 def relay_addresses(place: str) -> tuple[str, str]:
@@ -49,10 +52,12 @@ class RelayLink:
     they carry. ``add_host`` starts one; ``prepare`` then ``send`` a cell; ``busy`` is
     which ranks have not answered a cell; ``stop`` ends the relays."""
 
-    def __init__(self, place: str, signing_key: str, client, env: dict | None = None):
+    def __init__(self, place: str, signing_key: str, client, env: dict | None = None, network=None):
         """``place``: a 0700 folder for the sockets; ``client``: the session's
         launch.client.Client (its ipyparallel session builds and signs requests); ``env``:
-        added to the relays' environment (the session's mark, so its watchdog ends them)."""
+        added to the relays' environment (the session's mark, so its watchdog ends them).
+        ``network``: (the address to listen on, the one other hosts reach it by) when
+        relays run on other hosts: they reach the kernel over TCP, encrypted (CurveZMQ)."""
         import zmq
 
         self.place, self.key, self.client, self.env = place, signing_key, client, env or {}
@@ -60,11 +65,23 @@ class RelayLink:
         self._up = self._ctx.socket(zmq.ROUTER)
         self._up.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._up.setsockopt(zmq.LINGER, 0)
-        old = os.umask(0o077)
-        try:
-            self._up.bind(f"ipc://{os.path.join(place, UP)}")
-        finally:
-            os.umask(old)
+        self._curve = ""
+        if network is None:
+            old = os.umask(0o077)
+            try:
+                self._up.bind(f"ipc://{os.path.join(place, UP)}")
+            finally:
+                os.umask(old)
+            self.up_address = f"ipc://{os.path.join(place, UP)}"
+        else:
+            public, secret = zmq.curve_keypair()
+            self._up.curve_server, self._up.curve_secretkey = True, secret
+            self._curve = public.decode()
+            listen, reached = (f"[{a}]" if ":" in a else a for a in network)
+            self._up.setsockopt(zmq.IPV6, ":" in network[0])
+            self._up.bind(f"tcp://{listen}:0")
+            port = self._up.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+            self.up_address = f"tcp://{reached}:{port}"
         self._pipe_in = self._ctx.socket(zmq.PULL)
         self._pipe_in.bind(f"inproc://relay-{id(self)}")
         self._pipe = self._ctx.socket(zmq.PUSH)
@@ -88,40 +105,63 @@ class RelayLink:
         self._thread.start()
 
     # ----- relays -------------------------------------------------------------------------
-    def add_host(self, tag: str, ranks: list[int], place: str | None = None) -> tuple[str, str]:
-        """Start the relay for ``ranks`` (its sockets in ``place``, default the link's);
-        the addresses their ranks connect to (requests, replies)."""
-        place = place or self.place
-        requests, replies = relay_addresses(place)
-        up = f"ipc://{os.path.join(self.place, UP)}"
+    def add_hosts(self, hosts: list[tuple[str, list[int], Any]]) -> None:
+        """Start a relay per host, ``(tag, ranks, remote)`` each, and wait until each is up
+        (RelayGone naming the first that is not). ``remote``: for a relay on another host,
+        a function that turns the relay's arguments (from ``-m``) into the command that
+        runs it there (ssh); it then makes its own folder there and stays until its stdin
+        (the ssh connection) closes. None: this machine."""
+        for tag, ranks, remote in hosts:  # all started, then waited for
+            self._start(tag, ranks, remote)
+        deadline = time.monotonic() + UP_WAIT_S
+        with self._lock:
+            for tag, _, _ in hosts:
+                host = self._hosts[tag]
+                self._lock.wait_for(
+                    lambda h=host: h["up"] or h["proc"].poll() is not None,
+                    max(0.0, deadline - time.monotonic()),
+                )
+                if not host["up"]:
+                    raise RelayGone(self._gone_text(tag))
+
+    def _start(self, tag: str, ranks: list[int], remote) -> None:
+        requests, replies = relay_addresses(self.place)
         session = self.client.session
         keys = {
             "signing": self.key,
             "jupyter": session.key.decode(),
             "scheme": session.signature_scheme,
+            "curve": self._curve,
         }
-        argv = [up, requests, replies, tag, str(os.getpid())]
-        with _private_log(os.path.join(place, f"relay-{tag}.log")) as log_file:
+        args = ["-m", "infini_notebook.engine.host_relay", self.up_address]
+        if remote is None:
+            argv = [sys.executable, *args, requests, replies, tag, str(os.getpid())]
+        else:
+            argv = remote([*args, "-", "-", tag, "-"])
+        with _private_log(os.path.join(self.place, f"relay-{tag}.log")) as log_file:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "infini_notebook.engine.host_relay", *argv],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log_file,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log_file,
                 # the 0700 folder: `-m` imports from the working folder first, and the
                 # kernel's may be one others can write (a notebook in /tmp)
-                cwd=place,
+                cwd=self.place,
                 start_new_session=True,  # the kernel's SIGINT (the Stop button) is not its
                 env=dict(os.environ, **self.env),
             )  # fmt: skip
         proc.stdin.write((json.dumps(keys) + "\n").encode())
-        proc.stdin.close()
+        proc.stdin.flush()
+        if remote is None:
+            proc.stdin.close()  # a local relay follows the kernel's pid instead
         with self._lock:
             self._hosts[tag] = {"proc": proc, "seq": 0, "up": 0, "last": 0}
             for r in ranks:
                 self._host_of[r] = tag
                 self._here.discard(r)
-            self._lock.wait_for(lambda: self._hosts[tag]["up"] or proc.poll() is not None, 30)
-            if not self._hosts[tag]["up"]:
-                raise RelayGone(self._gone_text(tag))
-        return requests, replies
+
+    def addresses(self, rank: int | None = None, tag: str | None = None) -> tuple[str, str]:
+        """Where ``rank`` (or the ranks of the relay ``tag``) reach their host's relay
+        (requests, replies)."""
+        with self._lock:
+            return self._hosts[tag or self._host_of[rank]]["addresses"]
 
     def ranks_left(self, ranks: list[int]) -> None:
         """``ranks`` are replaced or restarted: not connected until they say hello again,
@@ -207,6 +247,8 @@ class RelayLink:
         for tag in tags:
             self._post([b"stop", tag.encode()])
         for host in self._hosts.values():
+            if host["proc"].stdin and not host["proc"].stdin.closed:
+                host["proc"].stdin.close()  # a remote relay's lifeline: it ends either way
             try:
                 host["proc"].wait(2)
             except subprocess.TimeoutExpired:
@@ -298,9 +340,10 @@ class RelayLink:
 
     def _apply(self, tag: str, item: list) -> None:
         kind, ranks = item[0], item[1]
-        if kind == "up":
+        if kind == "up":  # the relay's pid, and where its ranks reach it
             with self._lock:
-                self._hosts[tag]["up"] = ranks  # the relay's pid
+                self._hosts[tag]["addresses"] = tuple(item[2:4])
+                self._hosts[tag]["up"] = ranks
                 self._lock.notify_all()
             return
         if kind == "here":

@@ -13,6 +13,7 @@ before ipengine reads anything there and remove it once their rank is set up
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
@@ -35,6 +36,20 @@ def made_folder(stdout: str) -> str | None:
     if os.path.isabs(path) and os.path.basename(path).startswith(FOLDER_PREFIX):
         return path
     return None
+
+
+def relay_command(host: str, ssh_args, remote_python: str, env: dict[str, str]):
+    """A function that turns a relay's arguments into the ssh command that runs it on
+    ``host`` (launch/relay.py), with the engines' --env (ssh does not carry the kernel's)
+    and ssh's stdin as its lifeline."""
+    location, port = split_host(host)
+    ssh = ["ssh", *ssh_args, *(["-p", port] if port else []), location]
+    assignments = [f"{k}={v}" for k, v in env.items()]
+
+    def command(args: list[str]) -> list[str]:
+        return [*ssh, shlex.join(["env", *assignments, remote_python, *args])]
+
+    return command
 
 
 class SSHEngine(SSHEngineLauncher):

@@ -24,14 +24,17 @@ from ..engine import bootstrap
 from . import launchers
 from .engine_sets import Engines
 from .folder import SessionFolder
-from .relay import relay_addresses
 from .rendezvous import Rendezvous
 from .watchdog import FOLDER_PREFIX
 
 log = logging.getLogger("infini_notebook")
 
 
-def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, rank: int) -> dict:
+def engine_config(
+    plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, rank: int, relay=None
+) -> dict:
+    """What rank ``rank``'s bootstrap is given (engine/bootstrap.py); ``relay``: the
+    session's RelayLink with --relay (where the rank reaches its host's relay)."""
     # what a rank watches: the kernel, or for a kept session its watchdog (see keep.py)
     kernel = folder.guard() if plan.keep_s else psutil.Process()
     world = plan.world_size
@@ -58,7 +61,7 @@ def engine_config(plan: SessionPlan, rdzv: Rendezvous, folder: SessionFolder, ra
         "kernel_start": kernel.create_time(),
         "stack_file": folder.stack_file(rank, plan.placement.multi_host),
         # --relay: where the rank takes cells from and sends their answers (relay.py)
-        "relay": relay_addresses(folder.path) if plan.relay else None,
+        "relay": relay.addresses(rank) if relay is not None else None,
     }
 
 
@@ -84,7 +87,9 @@ def bootstrap_ranks(
     progress: Progress | None = None,
 ) -> list[RankState]:
     """Every rank set up on its engine (process groups, namespace); the table of ranks."""
-    configs = {r: engine_config(plan, rdzv, folder, r) for r in range(plan.world_size)}
+    configs = {
+        r: engine_config(plan, rdzv, folder, r, engines.relay) for r in range(plan.world_size)
+    }
     with engines.client.lock:
         pending = {r: engines.view(r).apply_async(bootstrap.bootstrap, configs[r]) for r in configs}
     failed = wait_for_bootstrap(plan, pending, progress)
