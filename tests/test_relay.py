@@ -394,3 +394,66 @@ def test_a_ranks_record_has_ipyparallels_metadata_keys():
     from infini_notebook.launch.relay_cells import new_metadata
 
     assert set(new_metadata("m", 3)) == set(Metadata())
+
+
+class _Session:  # what a RelayLink reads of ipyparallel's client session
+    key, signature_scheme = b"", "hmac-sha256"
+
+
+def _remote_link(tmp_path, tmpdir: str):
+    """A RelayLink on TCP with CurveZMQ, as for ssh hosts, whose "remote" relay runs here
+    with ``tmpdir`` as its TMPDIR."""
+    from infini_notebook.core import signing
+    from infini_notebook.launch.relay import RelayLink
+
+    client = type("C", (), {"session": _Session()})()
+    place = tmp_path / "kernel"
+    place.mkdir(mode=0o700)
+    return RelayLink(
+        str(place), signing.new_key(), client, {"TMPDIR": tmpdir}, ("127.0.0.1", "127.0.0.1")
+    )
+
+
+def test_a_relay_on_another_host_makes_its_own_folder_and_ends_when_ssh_closes(tmp_path):
+    """A relay started as over ssh (``-`` arguments): its sockets in a 0700 folder of its own,
+    which it removes when its stdin (the ssh connection) closes, reached over CurveZMQ."""
+    import stat
+    import sys
+
+    link = _remote_link(tmp_path, str(tmp_path))
+    try:
+        assert link.up_address.startswith("tcp://127.0.0.1:")
+        link.add_hosts([("h0-x", [0], lambda args: [sys.executable, *args])])  # says "up"
+        requests, replies = link.addresses(0)
+        folder = os.path.dirname(requests.removeprefix("ipc://"))
+        assert os.path.dirname(folder) == str(tmp_path) and replies.startswith(f"ipc://{folder}/")
+        assert os.path.basename(folder).startswith("infini-relay-")
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        proc = link._hosts["h0-x"]["proc"]
+        proc.stdin.close()  # ssh's connection gone
+        assert proc.wait(10) == 0
+        assert not os.path.exists(folder)
+        assert not link.alive() and "the relay of host h0-x ended (exit code 0" in link.gone_text()
+    finally:
+        link.stop()
+
+
+def test_a_relay_refuses_a_shared_temporary_folder_without_the_sticky_bit(tmp_path):
+    """Another user could swap its folder for theirs there: the relay does not start, and
+    the kernel says why."""
+    import sys
+
+    from infini_notebook.launch.relay import RelayGone
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # world-writable, no sticky bit
+    link = _remote_link(tmp_path, str(shared))
+    try:
+        with pytest.raises(RelayGone, match="ended") as e:
+            link.add_hosts([("h0-y", [0], lambda args: [sys.executable, *args])])
+        log = open(str(e.value).split("its log: ")[1].rstrip(")")).read()
+        assert "is not safe" in log and "set TMPDIR" in log, log
+        assert os.listdir(shared) == []
+    finally:
+        link.stop()
