@@ -28,7 +28,7 @@ from .kernel import profile as cell_profile
 from .kernel.autoreload import AutoReload
 from .kernel.background import BackgroundCell
 from .kernel.printers import Printer, TextPrinter
-from .launch import engine_sets, kept_sessions, prewarm, startup
+from .launch import kept_sessions, prewarm, start_errors, startup
 from .launch.engine_sets import Engines
 from .launch.folder import SessionFolder
 from .launch.keep import Keeper
@@ -163,7 +163,7 @@ class Session:
             raise
         except Exception as e:  # a launcher, ssh, an engine or the controller failed
             self.stop()
-            raise engine_sets.start_error(self.plan, e) from None
+            raise start_errors.start_error(self.plan, e) from None
         self.running = True
         self.engines.plan_standby(self.book.idle_for)  # spares for a hard restart, once idle
         if not self.keeper.keep(self.rendezvous, self.engines.client.cluster.cluster_id):

@@ -17,7 +17,7 @@ import psutil
 from ..core.ranks import parse_ranks
 from ..core.state import RankState
 from ..engine import rank_services
-from ..launch.engine_sets import exit_description
+from ..launch.start_errors import exit_description
 from . import debug_proxy, left_output
 
 

@@ -13,8 +13,7 @@ from typing import Any
 
 import psutil
 
-from ..core.errors import DistCellError, DistUsageError
-from ..core.output import one_line
+from ..core.errors import DistUsageError
 from ..core.plan import SessionPlan
 from ..core.state import Progress
 from ..engine import bootstrap
@@ -22,6 +21,7 @@ from . import spares
 from .client import Client
 from .folder import SessionFolder
 from .relay import RelayLink
+from .start_errors import EnginesExited
 from .warm_template import WarmTemplate
 from .watchdog import MARK, end_all, session_processes, wait_gone
 
@@ -112,39 +112,21 @@ class Engines:
         self._write_map()
 
     def _ensure_relay(self) -> None:
-        """The relay of this machine's ranks, started once (a hard restart keeps it, or
-        replaces one that ended)."""
+        """The relays of the ranks' hosts (relay_hosts.py), started once (a hard restart
+        keeps them, or replaces them if one ended)."""
         if self.relay is not None and not self.relay.alive():
             self.relay.stop()
             self.relay = None
         if not self.plan.relay or self.relay is not None:
             return
-        import secrets
-
         from ..core import signing
-        from . import launchers, ssh
+        from . import relay_hosts
 
         mark = {MARK: self.folder.profile_dir}  # a process of the session's: see watchdog.py
-        place = self.plan.placement
-        network = None  # the relay on this machine: its socket in the session's folder
-        if place.launcher == "ssh":  # one per host, reaching the kernel where the engines
-            # reach the controller (plan_checks.reachable: never 0.0.0.0)
-            network = (self.plan.bind_address, self.plan.controller_address)
-        self.relay = RelayLink(self.folder.path, signing.new_key(), self.client, mark, network)
+        key, network = signing.new_key(), relay_hosts.network(self.plan)
+        self.relay = RelayLink(self.folder.path, key, self.client, mark, network)
         self.client.on_unregister(self.relay.engine_gone)  # a dead rank's part fails at once
-        if network is None:
-            self.relay.add_hosts([("local", list(range(self.plan.world_size)), None)])
-            return
-        places = place.rank_places(self.plan.world_size)
-        env = launchers.engine_env(self.plan)
-        self.relay.add_hosts([
-            (
-                f"h{i}-{secrets.token_hex(4)}",  # unguessable: its name on the kernel's socket
-                [r for r, p in enumerate(places) if p[0] == i],
-                ssh.relay_command(host, place.ssh_args, place.remote_python, env),
-            )
-            for i, (host, _) in enumerate(place.hosts)
-        ])  # fmt: skip
+        self.relay.add_hosts(relay_hosts.hosts(self.plan))
 
     def _write_map(self) -> None:
         """The rank -> engine map in the session's folder: what a kernel attaching a kept
@@ -430,53 +412,3 @@ def kill(procs: list[psutil.Process]) -> None:
             proc.kill()
         except psutil.Error:
             pass
-
-
-def exit_description(code) -> str:
-    """An exit code in words; "exit status unknown" for anything that is not one (a
-    launcher that reattached to an engine after a kernel restart reports a dict)."""
-    import signal
-
-    if not isinstance(code, int) or isinstance(code, bool):
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-class EnginesExited(RuntimeError):
-    """Engines ended before registering; carries the tail of what they printed."""
-
-    def __init__(self, engine_set, lines: int = 20):
-        data = getattr(engine_set, "stop_data", None)
-        exits = data.get("engines", {}) if isinstance(data, dict) else {}
-        exits = {i: d for i, d in exits.items() if isinstance(d, dict)}
-        codes = {i: d.get("exit_code") for i, d in exits.items()}
-        failed = {i: c for i, c in codes.items() if c}
-        ident, code = next(iter(failed.items()), next(iter(codes.items()), ("?", None)))
-        more = f" ({len(exits) - 1} more engines exited)" if len(exits) > 1 else ""
-        super().__init__(f"engine {ident} exited while starting ({exit_description(code)}){more}")
-        try:
-            output = engine_set.get_output() if engine_set is not None else ""
-        except Exception:
-            output = ""
-        self.output = "".join(output.splitlines(True)[-lines:])
-
-
-def start_error(plan: SessionPlan, e: Exception) -> DistCellError:
-    """What a failed start says: the cause (an engine's own output when it exited) and
-    advice that fits where the ranks run."""
-    from .launchers import start_advice
-
-    place = plan.placement
-    cause = str(e) if isinstance(e, EnginesExited) else one_line(e)
-    output = getattr(e, "output", "").rstrip()
-    seen = " (its output is above)" if output else ""
-    return DistCellError(
-        f"Starting {plan.world_size} ranks with the {place.launcher} launcher failed: "
-        f"{cause}{seen}. Nothing is left running. {start_advice(plan)}",
-        f"{output}\n" if output else "",
-    )

@@ -21,13 +21,13 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 from ..core import signing
 from ..engine import host_relay
+from . import relay_hosts
 from .relay_cells import RankFuture, RelayedCell, engine_error
 
 log = logging.getLogger("infini_notebook")
@@ -96,11 +96,6 @@ class RelayLink:
         self._eids: dict[int, int] = {}
         self._stopping = False
         self.batches = 0  # batches taken from the relays (benchmarks/bench_scale.py)
-        from ipyparallel import error
-        from ipyparallel.client.client import ExecuteReply
-
-        # ipyparallel's results, looked up once (a reply per rank and cell)
-        self._execute_reply, self._task_aborted = ExecuteReply, error.TaskAborted
         self._thread = threading.Thread(target=self._serve, name="relay-link", daemon=True)
         self._thread.start()
 
@@ -125,7 +120,6 @@ class RelayLink:
                     raise RelayGone(self._gone_text(tag))
 
     def _start(self, tag: str, ranks: list[int], remote) -> None:
-        requests, replies = relay_addresses(self.place)
         session = self.client.session
         keys = {
             "signing": self.key,
@@ -134,23 +128,8 @@ class RelayLink:
             "curve": self._curve,
         }
         args = ["-m", "infini_notebook.engine.host_relay", self.up_address]
-        if remote is None:
-            argv = [sys.executable, *args, requests, replies, tag, str(os.getpid())]
-        else:
-            argv = remote([*args, "-", "-", tag, "-"])
-        with _private_log(os.path.join(self.place, f"relay-{tag}.log")) as log_file:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log_file,
-                # the 0700 folder: `-m` imports from the working folder first, and the
-                # kernel's may be one others can write (a notebook in /tmp)
-                cwd=self.place,
-                start_new_session=True,  # the kernel's SIGINT (the Stop button) is not its
-                env=dict(os.environ, **self.env),
-            )  # fmt: skip
-        proc.stdin.write((json.dumps(keys) + "\n").encode())
-        proc.stdin.flush()
-        if remote is None:
-            proc.stdin.close()  # a local relay follows the kernel's pid instead
+        args += [*relay_addresses(self.place), tag] if remote is None else ["-", "-", tag]
+        proc = relay_hosts.start(self.place, tag, args, remote, keys, self.env)
         with self._lock:
             self._hosts[tag] = {"proc": proc, "seq": 0, "up": 0, "last": 0}
             for r in ranks:
@@ -361,6 +340,7 @@ class RelayLink:
         if msg_type.startswith("comm_"):  # a widget's, also from a thread after its cell
             self._comm(item[2])
         futures = self._cells.get(pid, {})
+        unwrap = self.client.unwrap_exception
         for r in ranks:
             f = futures.get(r)
             if f is None:  # a cell forgotten (a stuck rank ending late): no longer busy
@@ -368,34 +348,15 @@ class RelayLink:
                     self._answered(r, pid)
                 continue
             if kind == "ok":
-                self._reply(r, f, {"status": "ok", "execution_count": item[3]})
+                f.reply({"status": "ok", "execution_count": item[3]}, unwrap)
             elif kind == "idle":
-                if not f.output.done():
-                    f.output.set_result(None)
+                f.idle()
             elif kind == "stream":
-                name, text = item[3], item[4]
-                md = f.output.metadata
-                md[name] = (md[name] or "") + text
-                content = {"name": name, "text": text}
-                self._publish(f, {"header": {"msg_type": "stream"}, "content": content})
+                f.stream(item[3], item[4])
             else:
-                self._message(r, f, item[2])
-
-    def _message(self, rank: int, f: RankFuture, msg: dict) -> None:
-        """A rank's message as it came (what ``pack`` does not shorten)."""
-        kind = msg["header"].get("msg_type")
-        content = msg["content"]
-        md = f.output.metadata
-        if kind == "execute_reply":
-            self._reply(rank, f, content)
-            return
-        if kind == "display_data":
-            md["outputs"].append(content)
-        elif kind == "execute_result":
-            md["execute_result"] = content
-        elif kind == "error":
-            md["error"] = self.client.unwrap_exception(content)
-        self._publish(f, msg)
+                f.message(item[2], unwrap)
+            if f.done():
+                self._answered(r, f.msg_id)
 
     def _comm(self, msg: dict) -> None:
         """A rank's widget message, handed to ipyparallel's client, which proxies it as
@@ -411,30 +372,10 @@ class RelayLink:
         for msg_id, futures in list(self._cells.items()):
             self._fail(msg_id, [r for r in ranks if r in futures], "its engine stopped")
 
-    def _reply(self, rank: int, f: RankFuture, content: dict) -> None:
-        md = f.output.metadata
-        md["status"] = content.get("status")
-        if content.get("status") == "ok":
-            result = self._execute_reply(f.msg_id, content, md)
-        elif content.get("status") == "aborted":
-            result = self._task_aborted(f.msg_id)
-            if not f.output.done():
-                f.output.set_result(None)  # an aborted request publishes nothing more
-        else:
-            result = self.client.unwrap_exception(content)
-        if not f.done():
-            f.set_result(result)
-        self._answered(rank, f.msg_id)
-
     def _answered(self, rank: int, msg_id: str | None) -> None:
         with self._lock:
             if msg_id is None or self._busy.get(rank) == msg_id:
                 self._busy.pop(rank, None)
-
-    @staticmethod
-    def _publish(f: RankFuture, msg: dict) -> None:
-        for callback in list(f.iopub_callbacks):
-            callback(msg)
 
     def _fail(self, msg_id: str, ranks: list[int], why: str) -> None:
         """``ranks``' parts of a cell end as ipyparallel ends a task whose engine left."""
@@ -474,15 +415,8 @@ class RelayLink:
         if tag is None:
             return "a rank has no relay"
         code = self._hosts[tag]["proc"].poll()
-        log_file = os.path.join(self.place, f"relay-{tag}.log")
+        log_file = relay_hosts.log_path(self.place, tag)
         return f"the relay of host {tag} ended (exit code {code}; its log: {log_file})"
-
-
-def _private_log(path: str):
-    """The relay's log: this user's only (0600 whatever the umask), no link followed."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "ab")
 
 
 def _parent(msg: dict) -> str | None:

@@ -19,6 +19,53 @@ class RankFuture(concurrent.futures.Future):
         self.output: concurrent.futures.Future = concurrent.futures.Future()
         self.output.metadata = new_metadata(msg_id, engine_id)
 
+    # Filled as ipyparallel 9.2's client fills its own (``Client._handle_execute_reply``,
+    # ``_dispatch_iopub``); ``unwrap``: the client's ``unwrap_exception``.
+    def reply(self, content: dict, unwrap) -> None:
+        from ipyparallel import error
+        from ipyparallel.client.client import ExecuteReply
+
+        md = self.output.metadata
+        md["status"] = content.get("status")
+        if content.get("status") == "ok":
+            result = ExecuteReply(self.msg_id, content, md)
+        elif content.get("status") == "aborted":
+            result = error.TaskAborted(self.msg_id)
+            self.idle()  # an aborted request publishes nothing more
+        else:
+            result = unwrap(content)
+        if not self.done():
+            self.set_result(result)
+
+    def idle(self) -> None:
+        if not self.output.done():
+            self.output.set_result(None)
+
+    def stream(self, name: str, text: str) -> None:
+        md = self.output.metadata
+        md[name] = (md[name] or "") + text
+        self.publish({"header": {"msg_type": "stream"}, "content": {"name": name, "text": text}})
+
+    def message(self, msg: dict, unwrap) -> None:
+        """A rank's message as it came (what the relay's ``pack`` does not shorten)."""
+        kind = msg["header"].get("msg_type")
+        content = msg["content"]
+        md = self.output.metadata
+        if kind == "execute_reply":
+            self.reply(content, unwrap)
+            return
+        if kind == "display_data":
+            md["outputs"].append(content)
+        elif kind == "execute_result":
+            md["execute_result"] = content
+        elif kind == "error":
+            md["error"] = unwrap(content)
+        self.publish(msg)
+
+    def publish(self, msg: dict) -> None:
+        for callback in list(self.iopub_callbacks):
+            callback(msg)
+
 
 def new_metadata(msg_id: str, engine_id: int) -> dict:
     """A rank's record of a cell, with the keys of ipyparallel's ``client.Metadata``."""
