@@ -95,7 +95,7 @@ def spawn_hosts(path: str, n: int, hosts: int, store: str, mac_key: str, link=No
     relays = {}
     for i, k in enumerate(per):
         if k and link is not None:  # started as on another host: its own folder, stdin
-            link.add_hosts([(f"h{i}", [], lambda args: [sys.executable, *args])])
+            link.add_hosts([(f"h{i}", [], lambda args: [sys.executable, *args], f"host {i}")])
             relays[i] = ["--relay", *link.addresses(tag=f"h{i}")]
     return [
         subprocess.Popen(

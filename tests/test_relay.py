@@ -210,11 +210,11 @@ def test_a_relay_that_dies_mid_cell_is_named_and_a_hard_restart_brings_one_back(
     cell = relayed.run(f"%%dist\nimport time\n{mark(tmp_path)}\ntime.sleep(3)", allow_error=True)
     killer.join(10)
     said = whole_message(cell)
-    assert "relay of host local ended" in said and "died" not in said, said
+    assert "relay of this machine ended" in said and "died" not in said, said
     assert "%dist_restart --hard" in said, said
     for _ in range(2):  # named again, not taken for a rank still running the first
         said = whole_message(relayed.run("%%dist\nprint(rank)", allow_error=True, timeout=90))
-        assert "relay of host local ended" in said and "%dist_restart --hard" in said, said
+        assert "relay of this machine ended" in said and "%dist_restart --hard" in said, said
     relayed.run("%dist_restart --hard", timeout=240)
     new = int(text_of(relayed.run("print(dist_session.engines.relay.pids()[0])")).strip())
     assert new != pid
@@ -423,7 +423,7 @@ def test_a_relay_on_another_host_makes_its_own_folder_and_ends_when_ssh_closes(t
     link = _remote_link(tmp_path, str(tmp_path))
     try:
         assert link.up_address.startswith("tcp://127.0.0.1:")
-        link.add_hosts([("h0-x", [0], lambda args: [sys.executable, *args])])  # says "up"
+        link.add_hosts([("h0-x", [0], lambda args: [sys.executable, *args], "host a")])  # says "up"
         requests, replies = link.addresses(0)
         folder = os.path.dirname(requests.removeprefix("ipc://"))
         assert os.path.dirname(folder) == str(tmp_path) and replies.startswith(f"ipc://{folder}/")
@@ -433,7 +433,14 @@ def test_a_relay_on_another_host_makes_its_own_folder_and_ends_when_ssh_closes(t
         proc.stdin.close()  # ssh's connection gone
         assert proc.wait(10) == 0
         assert not os.path.exists(folder)
-        assert not link.alive() and "the relay of host h0-x ended (exit code 0" in link.gone_text()
+        assert not link.alive() and "the relay of host a ended (exit code 0" in link.gone_text()
+        link.add_hosts([("h1-x", [1], lambda args: [sys.executable, *args], "host b")])
+        folder = os.path.dirname(link.addresses(1)[0].removeprefix("ipc://"))
+        os.kill(link._hosts["h1-x"]["up"], signal.SIGKILL)  # the pid it said it runs as
+        assert link._hosts["h1-x"]["proc"].wait(10) == 128 + signal.SIGKILL  # as ssh says it
+        said = "the relay of host b ended (exit code 137: killed by signal 9, or ssh's connection"
+        assert said in link.gone_text()
+        assert not os.path.exists(folder)  # removed all the same
     finally:
         link.stop()
 
@@ -451,7 +458,7 @@ def test_a_relay_refuses_a_shared_temporary_folder_without_the_sticky_bit(tmp_pa
     link = _remote_link(tmp_path, str(shared))
     try:
         with pytest.raises(RelayGone, match="ended") as e:
-            link.add_hosts([("h0-y", [0], lambda args: [sys.executable, *args])])
+            link.add_hosts([("h0-y", [0], lambda args: [sys.executable, *args], "host c")])
         log = open(str(e.value).split("its log: ")[1].rstrip(")")).read()
         assert "is not safe" in log and "set TMPDIR" in log, log
         assert os.listdir(shared) == []

@@ -342,11 +342,21 @@ def main(argv: list[str]) -> None:
         Relay(up, requests, replies, tag, keys, int(parent)).run()
         return
     folder = own_folder()
-    try:
-        requests, replies = (f"ipc://{os.path.join(folder, n)}" for n in ("rq.sock", "rp.sock"))
-        Relay(up, requests, replies, tag, keys, None).run()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    requests, replies = (f"ipc://{os.path.join(folder, n)}" for n in ("rq.sock", "rp.sock"))
+    # The relay runs in a child; this process removes the folder once it ended, however it
+    # ended (a relay killed could not), and ends with its status, which ssh passes on.
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            Relay(up, requests, replies, tag, keys, None).run()
+            code = 0
+        finally:
+            os._exit(code)
+    status = os.waitpid(child, 0)[1]
+    shutil.rmtree(folder, ignore_errors=True)
+    code = os.waitstatus_to_exitcode(status)
+    sys.exit(code if code >= 0 else 128 - code)  # as a shell says a signal
 
 
 def own_folder() -> str:

@@ -100,17 +100,18 @@ class RelayLink:
         self._thread.start()
 
     # ----- relays -------------------------------------------------------------------------
-    def add_hosts(self, hosts: list[tuple[str, list[int], Any]]) -> None:
-        """Start a relay per host, ``(tag, ranks, remote)`` each, and wait until each is up
-        (RelayGone naming the first that is not). ``remote``: for a relay on another host,
-        a function that turns the relay's arguments (from ``-m``) into the command that
-        runs it there (ssh); it then makes its own folder there and stays until its stdin
-        (the ssh connection) closes. None: this machine."""
-        for tag, ranks, remote in hosts:  # all started, then waited for
+    def add_hosts(self, hosts: list[tuple[str, list[int], Any, str]]) -> None:
+        """Start a relay per host, ``(tag, ranks, remote, host name)`` each, and wait until
+        each is up (RelayGone naming the first that is not). ``remote``: for a relay on
+        another host, a function that turns the relay's arguments (from ``-m``) into the
+        command that runs it there (ssh); it then makes its own folder there and stays until
+        its stdin (the ssh connection) closes. None: this machine."""
+        for tag, ranks, remote, name in hosts:  # all started, then waited for
             self._start(tag, ranks, remote)
+            self._hosts[tag]["name"] = name
         deadline = time.monotonic() + UP_WAIT_S
         with self._lock:
-            for tag, _, _ in hosts:
+            for tag, *_ in hosts:
                 host = self._hosts[tag]
                 self._lock.wait_for(
                     lambda h=host: h["up"] or h["proc"].poll() is not None,
@@ -414,9 +415,12 @@ class RelayLink:
     def _gone_text(self, tag: str | None) -> str:
         if tag is None:
             return "a rank has no relay"
-        code = self._hosts[tag]["proc"].poll()
+        host = self._hosts[tag]
+        code = host["proc"].poll()
+        if code is not None and code > 128 and host.get("name") != "this machine":
+            code = f"{code}: killed by signal {code - 128}, or ssh's connection lost"
         log_file = relay_hosts.log_path(self.place, tag)
-        return f"the relay of host {tag} ended (exit code {code}; its log: {log_file})"
+        return f"the relay of {host.get('name', tag)} ended (exit code {code}; its log: {log_file})"
 
 
 def _parent(msg: dict) -> str | None:

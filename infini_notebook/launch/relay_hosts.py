@@ -28,13 +28,14 @@ def network(plan: SessionPlan) -> tuple[str, str] | None:
     return plan.bind_address, plan.controller_address  # plan_checks.reachable: never 0.0.0.0
 
 
-def hosts(plan: SessionPlan) -> list[tuple[str, list[int], Remote | None]]:
-    """(tag, ranks, remote) of each relay the plan needs; ``remote`` None: this machine."""
+def hosts(plan: SessionPlan) -> list[tuple[str, list[int], Remote | None, str]]:
+    """(tag, ranks, remote, host name) of each relay the plan needs; ``remote`` None: this
+    machine."""
     from . import launchers, ssh
 
     place = plan.placement
     if network(plan) is None:
-        return [("local", list(range(plan.world_size)), None)]
+        return [("local", list(range(plan.world_size)), None, "this machine")]
     places = place.rank_places(plan.world_size)
     env = launchers.engine_env(plan)
     return [
@@ -42,6 +43,7 @@ def hosts(plan: SessionPlan) -> list[tuple[str, list[int], Remote | None]]:
             f"h{i}-{secrets.token_hex(4)}",  # unguessable: its name on the kernel's socket
             [r for r, p in enumerate(places) if p[0] == i],
             ssh.relay_command(host, place.ssh_args, place.remote_python, env),
+            f"host {host}",
         )
         for i, (host, _) in enumerate(place.hosts)
     ]
