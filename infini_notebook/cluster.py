@@ -518,6 +518,9 @@ class Session:
         left, covered = left_output.still_running(self, stuck)  # an earlier kernel's cell
         native = [r for r in stuck if r not in covered]
         line = self.book.session_line(died, native)
+        gone = recovery.relay_gone(self)  # --relay: no cell reaches that host's ranks
+        if gone is not None:
+            line = f"needs {recovery.HARD_FIX}: {gone}"
         if left:
             line = f"{line}; {left}" if died or native or self.book.broken() else left
         if self.keeper.keeps:  # its name, and how long it outlives its kernel

@@ -215,6 +215,12 @@ def test_a_relay_that_dies_mid_cell_is_named_and_a_hard_restart_brings_one_back(
     for _ in range(2):  # named again, not taken for a rank still running the first
         said = whole_message(relayed.run("%%dist\nprint(rank)", allow_error=True, timeout=90))
         assert "relay of this machine ended" in said and "%dist_restart --hard" in said, said
+    status = text_of(relayed.run("%dist_status"))  # not "session ready"
+    assert "session needs %dist_restart --hard: the relay of this machine ended" in status
+    assert "it wrote no log" in status, status  # killed: nothing to point at
+    for restart in ("%dist_restart", "%dist_restart --ranks 1"):  # neither brings a relay
+        said = whole_message(relayed.run(restart, allow_error=True))
+        assert "only a hard restart starts new relays" in said, said
     relayed.run("%dist_restart --hard", timeout=240)
     new = int(text_of(relayed.run("print(dist_session.engines.relay.pids()[0])")).strip())
     assert new != pid

@@ -25,6 +25,7 @@ def soft_restart(s, after_failure: bool = False) -> None:
     """New process groups on the same engines, every variable kept. Refused (naming --hard)
     for a dead rank or one still running earlier code; a rebuild that failed half way leaves
     the groups marked not whole."""
+    refuse_without_relay(s, "Cannot restart softly")
     dead = supervision.dead_ranks(s, range(s.world_size))
     if dead:
         raise DistUsageError(
@@ -68,6 +69,7 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
     which, and leaves the groups marked not whole (``--hard`` brings all back)."""
     others = set(range(s.world_size)) - set(ranks)
     named = rank_label(sorted(ranks))[1:-1]
+    refuse_without_relay(s, f"Cannot replace {named} alone")
     dead = supervision.dead_ranks(s, sorted(others))
     if dead:
         also = ",".join(map(str, sorted(set(ranks) | set(dead))))
@@ -112,6 +114,21 @@ def replace_ranks(s, ranks: list[int], progress=None) -> None:
         ) from None
     s.book.record(startup.rank_table(s.plan, s.engines, dict(sorted(infos.items()))))
     s.book.replaced(ranks)
+
+
+def relay_gone(s) -> str | None:
+    """With --relay, which relays ended (their ranks' cells have no way there until a hard
+    restart starts new ones); None while every relay runs, or without --relay."""
+    relay = s.engines.relay
+    return None if relay is None or relay.alive() else relay.gone_text()
+
+
+def refuse_without_relay(s, what: str) -> None:
+    gone = relay_gone(s)
+    if gone is not None:
+        raise DistUsageError(
+            f"{what}: {gone}, and only a hard restart starts new relays. {HARD_RESTART}"
+        )
 
 
 def replace_advice(dead: dict[int, str]) -> str:

@@ -420,7 +420,11 @@ class RelayLink:
         if code is not None and code > 128 and host.get("name") != "this machine":
             code = f"{code}: killed by signal {code - 128}, or ssh's connection lost"
         log_file = relay_hosts.log_path(self.place, tag)
-        return f"the relay of {host.get('name', tag)} ended (exit code {code}; its log: {log_file})"
+        try:
+            said = f"its log: {log_file}" if os.path.getsize(log_file) else "it wrote no log"
+        except OSError:
+            said = "it wrote no log"
+        return f"the relay of {host.get('name', tag)} ended (exit code {code}; {said})"
 
 
 def _parent(msg: dict) -> str | None:
