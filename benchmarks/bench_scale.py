@@ -21,7 +21,8 @@ final output (``TextPrinter`` replays only inside a kernel).
 Per size: ``start_s`` (the hosts spawned to every identity registered with the client),
 ``bootstrap_s`` (every identity's store key and count in), ``cell_wall_ms`` and
 ``kernel_cpu_ms_per_cell`` (an empty cell: this process's CPU, every thread, per cell;
-checked: nothing shown), ``controller_cpu_ms_per_cell`` (the controller's and its
+checked: nothing shown; ``kernel_gc_ms_per_cell``: how much of it the cyclic garbage
+collector took), ``controller_cpu_ms_per_cell`` (the controller's and its
 schedulers' CPU per empty cell: other processes on the kernel's machine),
 ``print_cell_wall_ms`` / ``print_kernel_cpu_ms`` (every rank prints one line; checked:
 each rank's own line, labeled, once, in rank order, stderr empty), the same empty cell through
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import itertools
 import json
@@ -53,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -245,15 +248,40 @@ def status_once(store, mac_key: str, n: int) -> float:
 
 
 def relay_cpu_s(link) -> float:
-    """CPU seconds the relays have used (0 without --relay)."""
+    """CPU seconds the relays have used (0 without --relay): each relay's process and the
+    child it serves from (engine/host_relay.py's remote mode forks one)."""
     import psutil
 
     total = 0.0
     for pid in link.pids() if link is not None else []:
         with contextlib.suppress(psutil.Error):
-            times = psutil.Process(pid).cpu_times()
-            total += times.user + times.system
+            parent = psutil.Process(pid)
+            for p in [parent, *parent.children(recursive=True)]:
+                times = p.cpu_times()
+                total += times.user + times.system
     return total
+
+
+class CollectorTime:
+    """The cyclic garbage collector's CPU in this process while ``counting``: each
+    collection timed on the thread that ran it (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.spent, self.counting, self._began = 0.0, False, {}
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        now = time.thread_time()
+        if phase == "start":
+            self._began[threading.get_ident()] = now
+        elif self.counting:
+            self.spent += now - self._began.pop(threading.get_ident(), now)
 
 
 def controller_cpu_s(cluster) -> float:
@@ -307,10 +335,13 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
             run_cell(client, targets, "pass", link)
         empty, ctl0, relay0 = [], controller_cpu_s(cluster), relay_cpu_s(link)
         batches0 = link.batches if link is not None else 0
-        for _ in range(cells):
-            wall, cpu, out = run_cell(client, targets, "pass", link)
-            check_empty_cell(out)
-            empty.append((wall, cpu))
+        with CollectorTime() as collector:
+            for _ in range(cells):
+                collector.counting = True
+                wall, cpu, out = run_cell(client, targets, "pass", link)
+                collector.counting = False
+                check_empty_cell(out)
+                empty.append((wall, cpu))
         controller_ms = (controller_cpu_s(cluster) - ctl0) / cells * 1000
         relay_ms = (relay_cpu_s(link) - relay0) / cells * 1000
         batches = (link.batches - batches0) / cells if link is not None else 0
@@ -355,6 +386,7 @@ def one_size(n: int, hosts: int, cells: int) -> dict:
         "bootstrap_s": round(bootstrap_s, 2),
         "cell_wall_ms": round(med(empty, 0), 1),
         "kernel_cpu_ms_per_cell": round(med(empty, 1), 1),
+        "kernel_gc_ms_per_cell": round(collector.spent / cells * 1000, 1),
         "controller_cpu_ms_per_cell": round(controller_ms, 1),
         "relay_cpu_ms_per_cell": round(relay_ms, 1),
         "relay_batches_per_cell": round(batches, 1),

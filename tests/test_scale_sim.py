@@ -47,6 +47,7 @@ def test_the_benchmark_through_relays_runs_its_oracles_and_ends_with_its_json():
     )
     assert figures["relay_batches_per_cell"] > 0 and figures["relay_cpu_ms_per_cell"] >= 0
     assert figures["kernel_cpu_ms_per_cell"] > 0 and figures["cell_wall_ms"] > 0, figures
+    assert 0 <= figures["kernel_gc_ms_per_cell"] <= figures["kernel_cpu_ms_per_cell"], figures
 
 
 def test_simulated_ranks_answer_cells_errors_and_calls_as_engines_do():

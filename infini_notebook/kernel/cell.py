@@ -5,9 +5,9 @@ output message. Kept apart from what decides the cell's fate (execution.py)."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import threading
 import time
+import weakref
 
 from ..core import internals
 from ..core.output import LATE_SHOWN, StreamLabeler, merge_told, remote_traceback
@@ -79,13 +79,14 @@ class Cell:
         # more than the messages did (docs/scale.md)
         self.finished: set[int] = set()
         self.output_ended: set[int] = set()
+        me = weakref.ref(self)  # the futures' callbacks do not keep the cell (_weakly)
         for r, f in self.futures.items():
-            self._callbacks[r] = functools.partial(self._on_message, r)
+            self._callbacks[r] = _weakly(me, Cell._on_message, r)
             with self._dirty_lock:  # a message arriving now waits for the snapshot
                 f.iopub_callbacks.append(self._callbacks[r])
                 self._take_snapshot(r)
-            f.add_done_callback(functools.partial(self._wake, r))
-            f.output.add_done_callback(functools.partial(self._output_ended, r))
+            f.add_done_callback(_weakly(me, Cell._wake, r))
+            f.output.add_done_callback(_weakly(me, Cell._output_ended, r))
         self.changed.set()  # output that arrived before we listened is read at once
 
     @classmethod
@@ -362,3 +363,17 @@ class Cell:
 
 def _failure_text(ranks, traceback: str) -> str:
     return f"{rank_label(list(ranks))}\n{traceback.rstrip()}\n"
+
+
+def _weakly(cell: weakref.ref, method, rank: int):
+    """``method(cell, rank, ...)`` while the cell lives. A strong callback would make each
+    future and its cell a cycle, which only the cyclic collector frees: at 1,024 ranks that
+    was ~40 objects per rank per cell left for it, a third of the kernel's CPU per cell
+    (docs/scale.md). Whoever needs the cell holds it; the futures need not."""
+
+    def call(*args):
+        c = cell()
+        if c is not None:
+            method(c, rank, *args)
+
+    return call

@@ -209,7 +209,7 @@ class RelayLink:
         Any other request (ipyparallel's) is none of the link's."""
         with self._lock:
             futures = self._cells.get(getattr(cell, "msg_id", None), {})
-            if all(f.done() and f.output.done() for f in futures.values()):
+            if all(f.ended for f in futures.values()):
                 self._cells.pop(cell.msg_id, None)
 
     def busy(self) -> set[int]:
@@ -383,10 +383,8 @@ class RelayLink:
         futures = self._cells.get(msg_id, {})
         for r in ranks:
             f = futures.get(r)
-            if f is not None and not f.done():
-                f.set_result(engine_error(f"rank {r}: {why}"))
-            if f is not None and not f.output.done():
-                f.output.set_result(None)
+            if f is not None:
+                f.fail(engine_error(f"rank {r}: {why}"))
             self._answered(r, None)
 
     def _fail_host(self, tag: str, why: str) -> None:
