@@ -135,42 +135,51 @@ def wait_registered(client, n: int, timeout: float = 300) -> None:
 def run_cell(client, targets: list[int], code: str, link=None) -> tuple[float, float, str]:
     """One cell as kernel/execution.run sends and shows it (through ``link``'s relays when
     given): wall s, this process's CPU s, what it printed."""
-    from infini_notebook.core.output import StreamLabeler
     from infini_notebook.kernel import gc_pace
-    from infini_notebook.kernel.cell import Cell
-    from infini_notebook.kernel.printers import TextPrinter
 
     shown, said = io.StringIO(), io.StringIO()
     pace = gc_pace.paced(len(targets)) if PACE_GC else contextlib.nullcontext()
     c0, t0 = time.process_time(), time.perf_counter()
+    # paced around the cell's whole frame, as execution.run paces _follow
     with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(said), pace:
-        printer = TextPrinter(echo=True, owns_cell=True)
-        if link is None:
-            view = client.view(targets)
-            cell = client.on_io_thread(
-                lambda _: Cell(
-                    view.execute(code, silent=False, block=False),
-                    targets,
-                    StreamLabeler(),
-                    printer,
-                )  # fmt: skip
+        final, checks_cpu, checks_wall = _follow_cell(client, targets, code, link)
+    wall = time.perf_counter() - t0 - checks_wall
+    cpu = time.process_time() - c0 - checks_cpu
+    return wall, cpu, shown.getvalue() + "\0" + final + "\0" + said.getvalue()
+
+
+def _follow_cell(client, targets: list[int], code: str, link) -> tuple[str, float, float]:
+    """``run_cell``'s cell, sent and followed to its end; then the oracles' reading of it
+    (what the notebook's output shows at the end), whose CPU and wall time it returns to be
+    left out of the cell's."""
+    from infini_notebook.core.output import StreamLabeler
+    from infini_notebook.kernel.cell import Cell
+    from infini_notebook.kernel.printers import TextPrinter
+
+    printer = TextPrinter(echo=True, owns_cell=True)
+    if link is None:
+        view = client.view(targets)
+        cell = client.on_io_thread(
+            lambda _: Cell(
+                view.execute(code, silent=False, block=False), targets, StreamLabeler(), printer
             )
-        else:  # as kernel/execution._send_cell sends a --relay cell
-            cell = Cell(link.prepare(code, "", targets), targets, StreamLabeler(), printer)
-            link.send(cell.ar)
-        pending = set(targets)
-        while pending:  # what CellWatch.follow does for output, without its liveness checks
-            cell.changed.wait(0.05)
-            cell.changed.clear()
-            cell.show(final=False)
-            pending -= cell.finished_among(pending)
-        cell.wait_for_trailing_output()
-        cell.show(final=True)
-        cell.render_final()
-        client.forget(cell.ar.msg_ids)
-        if link is not None:
-            link.forget(cell.ar)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        )
+    else:  # as kernel/execution._send_cell sends a --relay cell
+        cell = Cell(link.prepare(code, "", targets), targets, StreamLabeler(), printer)
+        link.send(cell.ar)
+    pending = set(targets)
+    while pending:  # what CellWatch.follow does for output, without its liveness checks
+        cell.changed.wait(0.05)
+        cell.changed.clear()
+        cell.show(final=False)
+        pending -= cell.finished_among(pending)
+    cell.wait_for_trailing_output()
+    cell.show(final=True)
+    cell.render_final()
+    client.forget(cell.ar.msg_ids)
+    if link is not None:
+        link.forget(cell.ar)
+    c1, t1 = time.process_time(), time.perf_counter()
     for r, f in cell.futures.items():
         if isinstance(f.result(), BaseException):
             raise RuntimeError(f"rank {r} failed: {f.result()}")
@@ -180,7 +189,7 @@ def run_cell(client, targets: list[int], code: str, link=None) -> tuple[float, f
         for i in cell.transcript.render(False)
         if i.kind == "stdout"
     )
-    return wall, cpu, shown.getvalue() + "\0" + final + "\0" + said.getvalue()
+    return final, time.process_time() - c1, time.perf_counter() - t1
 
 
 def run_broadcast(client, targets: list[int], code: str) -> tuple[float, float]:

@@ -49,6 +49,14 @@ def run(
         s.require_whole()
     refuse_stuck(s, targets)
     said = s.reloader.before_cell(s, targets) if users else None  # %dist_autoreload
+    # Paced around _follow's whole frame: the cell's objects are freed (reference counting)
+    # before the user's thresholds come back, not walked by the collection that follows
+    with gc_pace.paced(len(targets)):  # per-rank objects: fewer collections (gc_pace.py)
+        return _follow(s, code, targets, collapse, max_lines, printer, users, said)
+
+
+def _follow(s, code, targets, collapse, max_lines, printer, users, said) -> CellResult:
+    """``run``'s cell, sent, followed to its end and judged."""
     labeler = StreamLabeler(collapse=collapse)
     if max_lines:
         labeler.max_lines = max_lines
@@ -56,18 +64,17 @@ def run(
     files = OutputFiles(s.folder.file("output"), targets, name)
     label = request_label(name, code)
     t0 = time.perf_counter()
-    with gc_pace.paced(len(targets)):  # per-rank objects: fewer collections (gc_pace.py)
-        cell = _send_cell(s, code, label, targets, Cell.listener(labeler, printer, files))
-        ar = cell.ar
-        if said:  # kept in the cell's output, before the ranks' own
-            cell.note(targets[0], said)
-        watch = CellWatch(s, cell, name)
-        try:
-            watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
-            result = collect(cell, time.perf_counter() - t0, watch)
-        finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
-            s.engines.forget(ar)
-            files.close()
+    cell = _send_cell(s, code, label, targets, Cell.listener(labeler, printer, files))
+    ar = cell.ar
+    if said:  # kept in the cell's output, before the ranks' own
+        cell.note(targets[0], said)
+    watch = CellWatch(s, cell, name)
+    try:
+        watch.follow()  # until every rank left the cell (the Stop button: DistInterrupted)
+        result = collect(cell, time.perf_counter() - t0, watch)
+    finally:  # interrupted and failed cells too (a stuck rank's record goes once it ends)
+        s.engines.forget(ar)
+        files.close()
     if users:
         s.last = result
     if result.errors:
