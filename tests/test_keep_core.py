@@ -27,6 +27,21 @@ def test_bad_durations_name_the_form(text):
         parse_duration(text)
 
 
+def test_a_bare_keep_flag_says_how_to_write_a_duration():
+    """``%dist_start --name a --keep`` (the duration forgotten): the same advice, not
+    argparse's bare 'expected one argument'."""
+    from IPython.core.magic_arguments import parse_argstring
+
+    from infini_notebook.core.options import StartOptions
+    from infini_notebook.core.plan_checks import make_plan
+    from infini_notebook.magics import DistMagics
+
+    args = parse_argstring(DistMagics.dist_start, "--nprocs 2 --name a --keep")
+    options = StartOptions.from_args(args)
+    with pytest.raises(DistUsageError, match="--keep needs a duration: write it as 90s, 10m"):
+        make_plan(**{k: v for k, v in vars(options).items() if v is not None})
+
+
 def test_the_keep_time_is_said_as_the_user_gave_it():
     assert kept_clause(parse_duration("2h")) == "waits 2h for a kernel once none drives it"
     assert kept_clause(parse_duration("90s")) == "waits 1m 30s for a kernel once none drives it"

@@ -18,8 +18,11 @@ def parse_duration(text: str) -> float:
     """``90s``, ``10m``, ``2h``, ``1d`` or plain seconds; DistUsageError otherwise."""
     m = _DURATION.match(str(text))
     if not m or float(m.group(1)) <= 0:
+        given = (
+            f"--keep {text!r} is no duration" if str(text).strip() else "--keep needs a duration"
+        )
         raise DistUsageError(
-            f"--keep {text!r} is no duration: write it as 90s, 10m, 2h or 1d "
+            f"{given}: write it as 90s, 10m, 2h or 1d "
             "(how long the session waits for a kernel to attach once none is)."
         )
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]

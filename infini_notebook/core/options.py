@@ -85,6 +85,8 @@ class StartOptions:
     )
     name: str | None = _opt(help="the session's name, for %%dist_attach NAME (with --keep)")
     keep: str | None = _opt(
+        nargs="?",  # bare --keep: parse_duration's error, which shows how to write one
+        const="",
         help="keep the session when the kernel dies or restarts: its ranks wait this long "
         "(90s, 10m, 2h) for a kernel to %%dist_attach NAME, then end (with --name)",
     )
