@@ -470,3 +470,50 @@ def test_a_relay_refuses_a_shared_temporary_folder_without_the_sticky_bit(tmp_pa
         assert os.listdir(shared) == []
     finally:
         link.stop()
+
+
+def test_a_network_peer_without_the_keys_reaches_nothing_and_the_relays_work_on(tmp_path, caplog):
+    """The kernel's relay port (TCP, for ssh hosts) attacked by a peer: in plain text (no
+    CurveZMQ handshake), and with the server's public key but not the session's (garbage,
+    empty, oversized and forged frames, one under a real relay's tag): nothing is applied,
+    and a relay started after it comes up and is heard."""
+    import sys
+
+    import zmq
+
+    from infini_notebook.core import signing
+    from infini_notebook.engine.host_relay import BATCH
+
+    link = _remote_link(tmp_path, str(tmp_path))
+    ctx = zmq.Context()
+    try:
+        link.add_hosts([("h0-z", [0], lambda args: [sys.executable, *args], "host a")])
+        plain = ctx.socket(zmq.DEALER)
+        plain.connect(link.up_address)
+        curve = ctx.socket(zmq.DEALER)
+        curve.curve_serverkey = link._curve.encode()
+        curve.curve_publickey, curve.curve_secretkey = zmq.curve_keypair()
+        curve.connect(link.up_address)
+        forged = json.dumps({"seq": 99, "items": [["here", [5]]]})
+        for sock in (plain, curve):
+            for frames in (
+                [b"garbage"],
+                [b""],
+                [b"x" * 1_000_000],
+                [signing.sign(signing.new_key(), f"{BATCH}/h0-z", forged)],
+                [b"h0-z", signing.sign(signing.new_key(), f"{BATCH}/h0-z", forged)],
+            ):
+                sock.send_multipart(frames)
+        dropped = "relay: a batch not signed with the session's key, dropped"
+        deadline = time.monotonic() + 10  # the curve peer's five are read and dropped
+        while caplog.text.count(dropped) < 5:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.01)
+        before = link.batches
+        link.add_hosts([("h1-z", [1], lambda args: [sys.executable, *args], "host b")])
+        assert link.batches > before and link._thread.is_alive()
+        assert 5 not in link._here and link.alive()  # nothing forged was applied
+        assert link._hosts["h0-z"]["last"] < 99
+    finally:
+        ctx.destroy(linger=0)
+        link.stop()
