@@ -19,6 +19,7 @@ import pytest
 from conftest import Frontend, text_of, use_session
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from other_user import as_other, needs_root
 from test_faults import mark, press_stop_when, whole_message
 from test_output import (
     test_tqdm_auto_bars_are_forwarded_widgets_labeled_on_their_line as check_tqdm_widgets,
@@ -517,3 +518,80 @@ def test_a_network_peer_without_the_keys_reaches_nothing_and_the_relays_work_on(
     finally:
         ctx.destroy(linger=0)
         link.stop()
+
+
+def _bind_where_the_relay_was(folder: str, wait_s: float):
+    """As uid 65534: a folder of the relay's name with sockets of its own; what reached
+    them in ``wait_s`` (a rank that reconnected sends what it had queued)."""
+    import zmq
+
+    os.mkdir(folder, 0o777)
+    ctx = zmq.Context()
+    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    router.bind(f"ipc://{folder}/rq.sock")
+    pull.bind(f"ipc://{folder}/rp.sock")
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(pull, zmq.POLLIN)
+    got, deadline = [], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for sock in dict(poller.poll(100)):
+            got.append([f.decode(errors="replace") for f in sock.recv_multipart()])
+    ctx.destroy(linger=0)
+    return got
+
+
+@needs_root
+def test_ranks_of_an_ended_relay_never_reach_another_users_sockets_in_its_place(tmp_path):
+    """The relay's ssh connection lost: it ends and removes its folder, while its host's
+    ranks run on until a hard restart. Another user makes a folder of the same name in the
+    shared (sticky) TMPDIR with sockets of their own: the ranks do not reconnect to them,
+    so no cell of theirs runs and no output reaches them (reconnecting, a rank did within
+    0.2-2 s, found by the attacker reviewer)."""
+    import shutil
+    import sys
+    import tempfile
+
+    import zmq
+
+    from infini_notebook.engine import relay_port
+
+    shared = tempfile.mkdtemp(prefix="inb-shared-")  # where uid 65534 can reach it
+    os.chmod(shared, 0o1777)  # as /tmp
+    link = _remote_link(tmp_path, shared)
+    ctx = zmq.Context()
+    try:
+        link.add_hosts([("h0-w", [0], lambda args: [sys.executable, *args], "host a")])
+        requests, replies = link.addresses(0)
+        inbox, outbox = relay_port.sockets(ctx, requests, replies, b"r0")
+        inbox.send(b"hello")
+        with link._lock:
+            assert link._lock.wait_for(lambda: 0 in link._here, 10)  # the rank is connected
+        proc = link._hosts["h0-w"]["proc"]
+        proc.stdin.close()  # ssh's connection lost
+        assert proc.wait(10) == 0
+        folder = os.path.dirname(requests.removeprefix("ipc://"))
+        assert not os.path.exists(folder)
+        stop = threading.Event()
+
+        def rank_speaks():  # what a reconnected rank would send: output, a hello
+            for sock, frames in ((outbox, [b"r0", b"rank 0's output"]), (inbox, [b"hello"])):
+                while not stop.is_set():
+                    try:
+                        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                        break
+                    except zmq.Again:  # no relay connected
+                        stop.wait(0.02)
+
+        speaker = threading.Thread(target=rank_speaks)
+        speaker.start()
+        try:
+            got = as_other(_bind_where_the_relay_was, folder, 3.0)
+        finally:
+            stop.set()
+            speaker.join(10)
+        assert got == [], got
+    finally:
+        ctx.destroy(linger=0)
+        link.stop()
+        shutil.rmtree(shared, ignore_errors=True)

@@ -52,15 +52,8 @@ def connect(requests: str, replies: str, rank: int) -> str:
 
     kernel = get_ipython().kernel
     close()
-    ctx = zmq.Context.instance()
     tag = b"r%d" % rank
-    inbox = ctx.socket(zmq.DEALER)
-    inbox.setsockopt(zmq.IDENTITY, tag)
-    inbox.setsockopt(zmq.LINGER, 0)
-    inbox.connect(requests)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 1000)
-    outbox.connect(replies)
+    inbox, outbox = sockets(zmq.Context.instance(), requests, replies, tag)
     out = _Out(outbox, tag)
     relayed: collections.deque = collections.deque(maxlen=RELAYED_KEPT)
     from ipykernel.utils import _async_in_context
@@ -73,6 +66,25 @@ def connect(requests: str, replies: str, rank: int) -> str:
     inbox.send(b"hello")  # the relay learns the rank is here before any cell is sent
     _PORT.update(stream=stream, outbox=outbox, relayed=relayed)
     return tag.decode()
+
+
+def sockets(ctx, requests: str, replies: str, tag: bytes):
+    """The rank's two sockets, connected to its relay once and never again: when the relay
+    ends, its folder goes, and another user may make one of the same name (a sticky /tmp
+    lets them) with sockets of their own; a rank that reconnected would take their cells,
+    which with CurveZMQ carry no HMAC (ipyparallel leaves the engines' key empty). A new
+    relay means a hard restart, whose ranks connect anew."""
+    import zmq
+
+    inbox = ctx.socket(zmq.DEALER)
+    inbox.setsockopt(zmq.IDENTITY, tag)
+    inbox.setsockopt(zmq.LINGER, 0)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 1000)
+    for sock, address in ((inbox, requests), (outbox, replies)):
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # zmq_setsockopt(3): -1, no reconnection
+        sock.connect(address)
+    return inbox, outbox
 
 
 def close() -> None:
