@@ -595,3 +595,16 @@ def test_ranks_of_an_ended_relay_never_reach_another_users_sockets_in_its_place(
         ctx.destroy(linger=0)
         link.stop()
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_ssh_failing_to_reach_a_host_is_said_as_such(tmp_path):
+    """ssh's own failure (255: login, host key, connection) is not called a signal."""
+    from infini_notebook.launch.relay import RelayGone
+
+    link = _remote_link(tmp_path, str(tmp_path))
+    try:
+        with pytest.raises(RelayGone, match="exit code 255: ssh failed") as e:
+            link.add_hosts([("h0-v", [0], lambda args: ["sh", "-c", "exit 255"], "host d")])
+        assert "signal" not in str(e.value) and "the relay of host d ended" in str(e.value)
+    finally:
+        link.stop()

@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import sys
+import traceback
 
 from ..core import signing
 from .relay_port import DELIM
@@ -195,6 +196,7 @@ class Relay:
         os.umask(0o077)  # the sockets' files: this user's only (the folder is 0700 too)
         self.ranks.bind(requests)
         self.inbox.bind(replies)
+        self.up.setsockopt(zmq.IPV6, up.startswith("tcp://["))  # as the kernel binds it
         self.up.connect(up)
         self.addresses = [requests, replies]  # said to the kernel in the first batch
         self.parent = os.getppid() if parent == 0 else parent
@@ -351,6 +353,9 @@ def main(argv: list[str]) -> None:
         try:
             Relay(up, requests, replies, tag, keys, None).run()
             code = 0
+        except BaseException:  # into the log: os._exit would leave before Python prints it
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(code)
     status = os.waitpid(child, 0)[1]

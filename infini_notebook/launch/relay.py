@@ -76,6 +76,9 @@ class RelayLink:
         else:
             public, secret = zmq.curve_keypair()
             self._up.curve_server, self._up.curve_secretkey = True, secret
+            # a peer that never completes the handshake holds a file handle this long
+            # (0MQ's default 30 s: a thousand of them could use up the kernel's)
+            self._up.setsockopt(zmq.HANDSHAKE_IVL, 5000)
             self._curve = public.decode()
             listen, reached = (f"[{a}]" if ":" in a else a for a in network)
             self._up.setsockopt(zmq.IPV6, ":" in network[0])
@@ -393,7 +396,8 @@ class RelayLink:
             self._fail(msg_id, [r for r in futures if r in ranks], why)
 
     def _check_relays(self) -> None:
-        for tag, host in self._hosts.items():
+        # a copy: add_hosts adds to it on the kernel's thread while poll() lets it run
+        for tag, host in list(self._hosts.items()):
             if host["proc"].poll() is not None and not host.get("failed"):
                 host["failed"] = True
                 with self._lock:
@@ -403,7 +407,7 @@ class RelayLink:
 
     def gone_text(self) -> str:
         """Which relays ended, for an error."""
-        dead = [t for t, h in self._hosts.items() if h["proc"].poll() is not None]
+        dead = [t for t, h in list(self._hosts.items()) if h["proc"].poll() is not None]
         return "; ".join(self._gone_text(t) for t in dead) or "no relay ended"
 
     def _dead_hosts(self, ranks: list[int]) -> list[str]:
@@ -415,7 +419,9 @@ class RelayLink:
             return "a rank has no relay"
         host = self._hosts[tag]
         code = host["proc"].poll()
-        if code is not None and code > 128 and host.get("name") != "this machine":
+        if code == 255 and host.get("name") != "this machine":  # ssh's own failure
+            code = "255: ssh failed (login, host key, connection) or lost its connection"
+        elif code is not None and code > 128 and host.get("name") != "this machine":
             code = f"{code}: killed by signal {code - 128}, or ssh's connection lost"
         log_file = relay_hosts.log_path(self.place, tag)
         try:
