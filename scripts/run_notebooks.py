@@ -10,13 +10,17 @@ notebooks are regenerated from their sources with scripts/notebook_sources/build
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESTART_TAG = "restart-kernel-before"  # the cell runs in a restarted kernel
@@ -36,15 +40,30 @@ class Client(NotebookClient):
         return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
 
 
+@contextlib.contextmanager
+def kernel_over_ipc():
+    """nbclient's config for a kernel whose sockets are files in a folder of our own. Over
+    TCP jupyter_client picks free ports and the kernel binds them a moment later; another
+    process can take one in between ('Address already in use' and a kernel that never
+    answers, seen once in the suite, whose workers bind ports all the time)."""
+    folder = tempfile.mkdtemp(prefix="inb-kernel-")
+    try:
+        yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "k")}})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def execute(path: str, timeout: int) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    client = Client(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": REPO}},
-    )
-    client.execute()
+    with kernel_over_ipc() as config:
+        client = Client(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": REPO}},
+            config=config,
+        )
+        client.execute()
     return nb
 
 

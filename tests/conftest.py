@@ -4,6 +4,7 @@ are started once per module (or once per run) and reused."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import time
@@ -22,6 +23,17 @@ settings.register_profile("infini", deadline=None, suppress_health_check=[Health
 settings.load_profile("infini")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name: str):
+    """scripts/NAME.py as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_notebooks = _script("run_notebooks")  # its kernels' sockets, shared with the tests
 
 
 @pytest.fixture(scope="session")
@@ -143,13 +155,18 @@ def message(cell) -> str:
 def fresh_kernel(timeout: int = 180):
     """A new real IPython kernel with the extension loaded, shut down on exit."""
     nb = nbformat.v4.new_notebook()
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": REPO}}
-    )
-    with client.setup_kernel():
-        cells = KernelCells(client)
-        cells.run("%load_ext infini_notebook")
-        yield cells
+    with run_notebooks.kernel_over_ipc() as config:  # no free-port race (run_notebooks.py)
+        client = NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": REPO}},
+            config=config,
+        )
+        with client.setup_kernel():
+            cells = KernelCells(client)
+            cells.run("%load_ext infini_notebook")
+            yield cells
 
 
 @pytest.fixture(scope="module")
