@@ -41,28 +41,28 @@ class Client(NotebookClient):
 
 
 @contextlib.contextmanager
-def kernel_over_ipc():
-    """nbclient's config for a kernel whose sockets are files in a folder of our own. Over
-    TCP jupyter_client picks free ports and the kernel binds them a moment later; another
-    process can take one in between ('Address already in use' and a kernel that never
-    answers, seen once in the suite, whose workers bind ports all the time)."""
+def client_over_ipc(nb: nbformat.NotebookNode, timeout: int, cls=None):
+    """A ``cls`` (this module's Client by default) for ``nb``, whose kernel's sockets are
+    files in a folder of our own. Over TCP jupyter_client picks free ports and the kernel
+    binds them a moment later; another process can take one in between ('Address already
+    in use' and a kernel that never answers, seen once in the suite, whose workers bind
+    ports all the time)."""
     folder = tempfile.mkdtemp(prefix="inb-kernel-")
     try:
-        yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "k")}})
+        yield (cls or Client)(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": REPO}},
+            config=Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "k")}}),
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def execute(path: str, timeout: int) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    with kernel_over_ipc() as config:
-        client = Client(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            resources={"metadata": {"path": REPO}},
-            config=config,
-        )
+    with client_over_ipc(nb, timeout) as client:
         client.execute()
     return nb
 

@@ -155,14 +155,8 @@ def message(cell) -> str:
 def fresh_kernel(timeout: int = 180):
     """A new real IPython kernel with the extension loaded, shut down on exit."""
     nb = nbformat.v4.new_notebook()
-    with run_notebooks.kernel_over_ipc() as config:  # no free-port race (run_notebooks.py)
-        client = NotebookClient(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            resources={"metadata": {"path": REPO}},
-            config=config,
-        )
+    # its sockets in a folder of its own: no free-port race (run_notebooks.py)
+    with run_notebooks.client_over_ipc(nb, timeout, NotebookClient) as client:
         with client.setup_kernel():
             cells = KernelCells(client)
             cells.run("%load_ext infini_notebook")
