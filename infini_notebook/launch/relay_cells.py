@@ -18,9 +18,9 @@ class RankFuture(concurrent.futures.Future):
         self.iopub_callbacks: list = []
         self.output: concurrent.futures.Future = concurrent.futures.Future()
         self.output.metadata = new_metadata(msg_id, engine_id)
-        # replied and idle: read when the cell is forgotten, without the futures' locks
-        # (2,048 lock round trips per cell at 1,024 ranks); written on the link's thread
-        self.replied = self.ended = False
+        # read when the cell is forgotten, without the futures' locks (2,048 lock round
+        # trips per cell at 1,024 ranks); written on the link's thread
+        self.replied = self.idled = False
 
     # Filled as ipyparallel 9.2's client fills its own (``Client._handle_execute_reply``,
     # ``_dispatch_iopub``); ``unwrap``: the client's ``unwrap_exception``.
@@ -39,12 +39,17 @@ class RankFuture(concurrent.futures.Future):
             result = unwrap(content)
         if not self.done():
             self.set_result(result)
-        self.replied, self.ended = True, self.output.done()
+        self.replied = True
 
     def idle(self) -> None:
         if not self.output.done():
             self.output.set_result(None)
-        self.ended = self.replied
+        self.idled = True
+
+    @property
+    def ended(self) -> bool:
+        """Replied and idle: nothing more comes for this rank's part."""
+        return self.replied and self.idled
 
     def fail(self, error: BaseException) -> None:
         """The rank's part ends without its answers (its engine or its relay left)."""
